@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One training process. Launchers start it once per slot:
+#   horovodrun -np 2 -H localhost:2 bash config.sh
+#   horovodrun -np 16 -H ip1:8,ip2:8 bash config.sh
+#   CONFIG=configs/ms1mv3_r50.py horovodrun -np 8 -H localhost:8 bash config.sh sample_rate=0.1
+#   mpirun ... bash config.sh          (what run.sh does)
+# Arguments are config overrides (key=value) or --work-dir DIR.
+# PFC_COMMAND=check runs the preflight instead of training, under the same launcher.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+CONFIG=${CONFIG:-$root/configs/orl.py}
+python=python3
+[ -x "$root/.venv/bin/python" ] && python="$root/.venv/bin/python"
+
+# The MXNet reference's settings: let Horovod, not the kvstore, apply updates, and
+# let MXNet accumulate gradients in place.
+export MXNET_UPDATE_ON_KVSTORE=0
+export MXNET_EXEC_ENABLE_ADDTO=1
+# Horovod batches small tensors: wait this many ms to fill a fusion buffer this big.
+export HOROVOD_CYCLE_TIME=${HOROVOD_CYCLE_TIME:-0.1}
+export HOROVOD_FUSION_THRESHOLD=${HOROVOD_FUSION_THRESHOLD:-67108864}
+
+if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+  # Which GPU collectives run on NCCL is fixed when Horovod is built
+  # (HOROVOD_GPU_OPERATIONS=NCCL in setup-utils/install.sh); at run time only NCCL's
+  # own knobs apply.
+  export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+  export MXNET_GPU_WORKER_NTHREADS=${MXNET_GPU_WORKER_NTHREADS:-2}
+  export MXNET_CPU_WORKER_NTHREADS=${MXNET_CPU_WORKER_NTHREADS:-3}
+fi
+
+cd "$root"
+exec "$python" -m partial_fc_mx "${PFC_COMMAND:-train}" "$CONFIG" "$@"

@@ -1,0 +1,234 @@
+"""Preflight: `python -m partial_fc_mx check CONFIG`, alone or under any launcher.
+
+It answers, before hours of queueing are spent, the questions a failed start
+would otherwise answer one at a time: is MXNet/Horovod built with what the run
+needs, did the launcher start the processes on the hosts and devices intended,
+are the data files there on every host, and will the class-center shards fit.
+Each problem is one line that says how to fix it; every rank exits non-zero.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.metadata
+import os
+import re
+import socket
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import horovod
+import horovod.mxnet as hvd
+import mxnet as mx
+import psutil
+
+from . import dist
+from .config import Config
+from .partial_fc import estimate_memory
+
+RECORDIO_MAGIC = 0xCED7230A
+GiB = 1024**3
+
+
+@dataclass
+class RankInfo:
+    """What one process learns about itself; gathered to every rank."""
+
+    rank: int
+    local_rank: int
+    local_size: int
+    host: str
+    device: str
+    free_memory: int
+    problems: list
+
+
+def run_check(config: Config) -> int:
+    """Print the report on rank 0; return the exit code every rank should use."""
+    world = dist.init()
+    ctx = dist.device(world.local_rank)
+    info = RankInfo(
+        world.rank, world.local_rank, world.local_size, socket.gethostname(), str(ctx),
+        free_memory(ctx, world.local_size), [],
+    )
+    info.problems += check_gpu_driver()
+    info.problems += check_dataset(config)
+    info.problems += check_memory(config, world, info.free_memory)
+    everyone = dist.allgather_object(info, name="preflight")
+    problems = [f"rank {i.rank} ({i.host}): {p}" for i in everyone for p in i.problems]
+    problems = deduplicate_across_ranks(problems)
+    if world.is_main:
+        print_report(config, everyone)
+        for line in problems:
+            print(f"PROBLEM: {line}")
+        print(f"{len(problems)} problem(s) found" if problems else "OK: no problems found")
+    return 1 if problems else 0
+
+
+def deduplicate_across_ranks(lines: list[str]) -> list[str]:
+    """The same problem on every rank is one line naming the ranks, not W lines."""
+    by_text: dict[str, list[str]] = {}
+    for line in lines:
+        where, _, text = line.partition(": ")
+        by_text.setdefault(text, []).append(where)
+    return [f"{', '.join(wheres)}: {text}" if len(wheres) < 3 else f"{len(wheres)} ranks: {text}"
+            for text, wheres in by_text.items()]
+
+
+def free_memory(ctx: mx.Context, local_size: int) -> int:
+    """Bytes this process may use: its GPU's free memory, or its share of host RAM."""
+    if ctx.device_type == "gpu":
+        free, _total = mx.context.gpu_memory_info(ctx.device_id)
+        return int(free)
+    return psutil.virtual_memory().available // max(local_size, 1)
+
+
+def mxnet_cuda_version() -> tuple[int, int] | None:
+    """(11, 2) for an mxnet-cu112 install, None for the CPU build."""
+    for dist_ in importlib.metadata.distributions():
+        match = re.fullmatch(r"mxnet-cu(\d+)(\d)", dist_.metadata["Name"] or "")
+        if match:
+            return int(match.group(1)), int(match.group(2))
+    return None
+
+
+def cuda_driver_version() -> tuple[int, int] | None:
+    """The newest CUDA the installed NVIDIA driver supports, or None without a driver."""
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    version = ctypes.c_int()
+    if libcuda.cuDriverGetVersion(ctypes.byref(version)) != 0:
+        return None
+    return version.value // 1000, (version.value % 1000) // 10
+
+
+def check_gpu_driver() -> list[str]:
+    built_for, driver = mxnet_cuda_version(), cuda_driver_version()
+    cuda_enabled = mx.runtime.Features().is_enabled("CUDA")
+    if cuda_enabled and driver is None:
+        return ["MXNet is a CUDA build but no NVIDIA driver was found; install the driver, "
+                "or reinstall the CPU build with `MXNET_PACKAGE=mxnet bash setup-utils/install.sh`"]
+    if cuda_enabled and built_for and driver < built_for:
+        return [f"MXNet is built for CUDA {built_for[0]}.{built_for[1]} but the driver "
+                f"supports only CUDA {driver[0]}.{driver[1]}; upgrade the driver or install "
+                "an older mxnet-cuXXX"]
+    if cuda_enabled and mx.context.num_gpus() == 0:
+        return ["MXNet is a CUDA build but sees no GPU; check CUDA_VISIBLE_DEVICES and nvidia-smi"]
+    return []
+
+
+def check_dataset(config: Config) -> list[str]:
+    rec_dir = Path(config.rec)
+    if not config.rec:
+        return ["the config sets no `rec` directory; set rec=/path/to/dataset"]
+    if not rec_dir.is_dir():
+        return [f"dataset directory {rec_dir} does not exist; fix `rec` in the config or pack "
+                "the data there (python -m partial_fc_mx pack ...)"]
+    problems = [check_recordio(rec_dir / "train.rec"), check_index(rec_dir / "train.idx"),
+                check_property(rec_dir / "property", config.num_classes)]
+    problems += [f"verification set {path} is missing; fix `val_targets` or copy it there"
+                 for path in config.val_paths() if not path.is_file()]
+    return [p for p in problems if p]
+
+
+def check_recordio(path: Path) -> str | None:
+    if not path.is_file():
+        return f"dataset file {path} is missing; pack the training images into it"
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as error:
+        return f"dataset file {path} cannot be read ({error.strerror}); fix its permissions"
+    if len(head) < 4 or struct.unpack("<I", head)[0] != RECORDIO_MAGIC:
+        return f"dataset file {path} is not a RecordIO file (bad magic); repack it"
+    return None
+
+
+def check_index(path: Path) -> str | None:
+    if not path.is_file():
+        return f"index file {path} is missing; rebuild it with the packer (it must match train.rec)"
+    try:
+        with open(path) as f:
+            first = f.readline()
+    except OSError as error:
+        return f"index file {path} cannot be read ({error.strerror}); fix its permissions"
+    if not re.fullmatch(r"\d+\t\d+\s*", first):
+        return f"index file {path} does not hold 'record_id<TAB>offset' lines; rebuild it"
+    return None
+
+
+def check_property(path: Path, num_classes: int) -> str | None:
+    """The optional `property` file must agree with the config's num_classes."""
+    if not path.is_file():
+        return None
+    text = path.read_text().strip()
+    match = re.fullmatch(r"(\d+),\s*(\d+),\s*(\d+)", text)
+    if not match:
+        return f"{path} should read 'num_classes,112,112' but reads {text!r}"
+    if int(match.group(1)) != num_classes:
+        return (f"{path} says {match.group(1)} classes but the config has "
+                f"num_classes={num_classes}; make them agree")
+    return None
+
+
+def check_memory(config: Config, world: dist.World, available: int) -> list[str]:
+    need = estimate_memory(
+        config.num_classes, config.embedding_size, world.size, world.rank, config.sample_rate,
+        config.batch_size * world.size, config.fp16_centers,
+    )
+    if need.total <= available:
+        return []
+    return [f"Partial FC needs {need.total / GiB:.1f} GiB per process (centers and momentum "
+            f"{need.centers / GiB:.1f} GiB, per-step {need.working / GiB:.1f} GiB) but "
+            f"{available / GiB:.1f} GiB is free; use more processes, a lower sample_rate or "
+            "fp16_centers=True"]
+
+
+def print_report(config: Config, ranks: list[RankInfo]) -> None:
+    features = mx.runtime.Features()
+    flag = {True: "yes", False: "no"}
+    print(f"MXNet {mx.__version__}: CUDA {flag[features.is_enabled('CUDA')]}, "
+          f"NCCL {flag[features.is_enabled('NCCL')]}, oneDNN {flag[features.is_enabled('MKLDNN')]}")
+    print(f"Horovod {horovod.__version__}: {horovod_build_summary()}, "
+          f"controller in use: {dist.controller()}")
+    print(f"MPI: {mpi_library()}")
+    hosts = sorted({r.host for r in ranks})
+    print(f"processes: {len(ranks)} on {len(hosts)} host(s) ({', '.join(hosts)}), "
+          f"launched by {launcher()}")
+    for r in ranks:
+        print(f"  rank {r.rank}: host {r.host}, local rank {r.local_rank}/{r.local_size}, "
+              f"device {r.device}, free memory {r.free_memory / GiB:.1f} GiB")
+    print(f"data: {config.rec or '(not set)'}, {config.num_classes} classes, "
+          f"val_targets {[str(p) for p in config.val_paths()]}")
+    need = estimate_memory(config.num_classes, config.embedding_size, len(ranks), 0,
+                           config.sample_rate, config.batch_size * len(ranks), config.fp16_centers)
+    print(f"Partial FC memory on rank 0: centers+momentum {need.centers / GiB:.3f} GiB, "
+          f"per step {need.working / GiB:.3f} GiB")
+
+
+def horovod_build_summary() -> str:
+    built = {
+        "MXNet": True, "MPI": hvd.mpi_built(), "Gloo": hvd.gloo_built(),
+        "NCCL": hvd.nccl_built(), "CUDA": hvd.cuda_built(), "oneCCL": hvd.ccl_built(),
+    }
+    return "built with " + ", ".join(name for name, ok in built.items() if ok)
+
+
+def mpi_library() -> str:
+    """The MPI library's own version string, without initialising MPI a second time."""
+    import mpi4py
+
+    mpi4py.rc.initialize = False
+    mpi4py.rc.finalize = False
+    from mpi4py import MPI
+
+    return " ".join(MPI.Get_library_version().split()[:6]).rstrip(",")
+
+
+def launcher() -> str:
+    if "OMPI_COMM_WORLD_SIZE" in os.environ and "HOROVOD_GLOO_RENDEZVOUS_ADDR" not in os.environ:
+        return "mpirun"
+    return "horovodrun" if "HOROVOD_RANK" in os.environ else "none"

@@ -1,0 +1,177 @@
+"""Training configuration: Python files in configs/, overridable with `key=value`.
+
+A config file is plain Python that assigns the keys it changes, as insightface's
+configs do (`network = "r50"`). It may name a parent with `_base_ = "other.py"`
+(resolved next to it) and then only lists what differs. Every key has a default
+and a type in `Config` below, so a misspelled key or a wrong type is an error at
+start-up on every rank, not a silent default three hours into training.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import os
+import runpy
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be used; the message says how to fix it."""
+
+
+@dataclass
+class Config:
+    # --- data ---
+    rec: str = ""
+    """Directory holding train.rec, train.idx and property (insightface layout)."""
+    num_classes: int = 0
+    num_image: int = 0
+    """Images in the training set; 0 means count them from train.idx."""
+    val_targets: list = field(default_factory=list)
+    """Verification sets: names looked up as <rec>/<name>.bin, or paths to .bin files."""
+    num_workers: int = 2
+
+    # --- model ---
+    network: str = "r50"
+    embedding_size: int = 512
+    fp16: bool = False
+
+    # --- Partial FC ---
+    sample_rate: float = 1.0
+    margin_list: tuple = (1.0, 0.5, 0.0)
+    """Combined margin (m1, m2, m3): s * (cos(m1 * theta + m2) - m3). ArcFace (1, 0.5, 0)."""
+    scale: float = 64.0
+    fp16_centers: bool = False
+    """Store this rank's class-center shard in float16 to fit twice the classes."""
+
+    # --- optimisation ---
+    batch_size: int = 128
+    """Per process."""
+    optimizer: str = "sgd"
+    lr: float = 0.1
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    num_epoch: int = 20
+    warmup_epoch: int = 0
+    lr_steps: list = field(default_factory=list)
+    """Multi-step schedule (global steps); empty selects warmup + polynomial decay."""
+    seed: int = 2048
+
+    # --- output ---
+    output: str = ""
+    """Work directory; default work_dirs/<config file name>."""
+    frequent: int = 10
+    verbose: int = 2000
+
+    def validate(self) -> None:
+        """Reject values that would fail later, far from their cause."""
+        problems = []
+        if self.num_classes <= 0:
+            problems.append("num_classes must be > 0 (the number of identities in the data)")
+        if self.embedding_size <= 0:
+            problems.append("embedding_size must be > 0")
+        if not 0.0 < self.sample_rate <= 1.0:
+            problems.append(f"sample_rate={self.sample_rate} must be in (0, 1]")
+        if len(self.margin_list) != 3:
+            problems.append(f"margin_list={self.margin_list} must be (m1, m2, m3)")
+        if self.batch_size <= 0:
+            problems.append("batch_size must be > 0")
+        if self.optimizer not in ("sgd", "adamw"):
+            problems.append(f"optimizer={self.optimizer!r} must be 'sgd' or 'adamw'")
+        if self.lr <= 0:
+            problems.append("lr must be > 0")
+        if self.num_epoch <= 0:
+            problems.append("num_epoch must be > 0")
+        if self.num_workers < 0:
+            problems.append("num_workers must be >= 0")
+        if problems:
+            raise ConfigError("invalid config: " + "; ".join(problems))
+
+    def val_paths(self) -> list[Path]:
+        """Paths of the verification sets, with bare names resolved inside `rec`."""
+        paths = []
+        for target in self.val_targets:
+            path = Path(target)
+            if path.suffix != ".bin":
+                path = Path(self.rec) / f"{target}.bin"
+            paths.append(path)
+        return paths
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+FIELD_TYPES = typing.get_type_hints(Config)
+
+
+def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> Config:
+    """Read a config file, apply `key=value` overrides, validate."""
+    values = read_config_file(Path(path))
+    for override in overrides:
+        key, value = parse_override(override)
+        values[key] = value
+    config = Config()
+    for key, value in values.items():
+        setattr(config, key, coerce(key, value, source=str(path)))
+    if not config.output:
+        config.output = str(Path("work_dirs") / Path(path).stem)
+    config.validate()
+    return config
+
+
+def read_config_file(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist; pick one from configs/")
+    try:
+        namespace = runpy.run_path(str(path))
+    except Exception as error:  # a user's Python file: any error is theirs to see
+        raise ConfigError(f"config file {path} failed to run: {error!r}") from error
+    values = {}
+    base = namespace.get("_base_")
+    if base:
+        values.update(read_config_file(path.parent / base))
+    for key, value in namespace.items():
+        if key.startswith("_") or callable(value) or isinstance(value, types.ModuleType):
+            continue
+        check_known(key, source=str(path))
+        values[key] = value
+    return values
+
+
+def parse_override(text: str) -> tuple[str, object]:
+    """`lr=0.2` -> ("lr", 0.2); values are Python literals, else plain strings."""
+    key, sep, raw = text.partition("=")
+    key = key.strip().lstrip("-").replace("-", "_")
+    if not sep or not key:
+        raise ConfigError(f"override {text!r} is not key=value (example: sample_rate=0.1)")
+    check_known(key, source="the command line")
+    try:
+        value = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        value = raw
+    return key, value
+
+
+def check_known(key: str, source: str) -> None:
+    if key not in FIELDS:
+        close = difflib.get_close_matches(key, FIELDS, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"unknown config key {key!r} in {source}{hint}")
+
+
+def coerce(key: str, value: object, source: str) -> object:
+    """Convert to the field's type where that loses nothing; otherwise refuse."""
+    expected = FIELD_TYPES[key]
+    expected = typing.get_origin(expected) or expected
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if expected in (list, tuple) and isinstance(value, (list, tuple)):
+        return expected(value)
+    if isinstance(value, expected) and not (expected is int and isinstance(value, bool)):
+        return value
+    raise ConfigError(
+        f"config key {key!r} from {source} must be {expected.__name__}, got {value!r}"
+    )

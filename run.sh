@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The main job: set up on first use, run the preflight, then train with mpirun.
+#   bash run.sh                                  # default: ORL real faces, 2 CPU processes
+#   bash run.sh num_epoch=5                      # config overrides reach every process
+#   NP=16 HOSTFILE=hosts/host_16 CONFIG=configs/ms1mv3_r50.py bash run.sh
+# Environment: NP (processes, default 2), HOSTFILE (default: NP slots on localhost),
+# CONFIG (default configs/orl.py), MXNET_PACKAGE (GPU build, see setup-utils/install.sh).
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+cd "$root"
+NP=${NP:-2}
+CONFIG=${CONFIG:-configs/orl.py}
+HOSTFILE=${HOSTFILE:-}
+
+bash setup-utils/install.sh
+export PATH="$root/.venv/bin:$PATH"
+
+launch=(mpirun -np "$NP" -bind-to none -map-by slot)
+if [ -n "$HOSTFILE" ]; then
+  launch+=(--hostfile "$HOSTFILE")
+else
+  launch+=(-H "localhost:$NP" --oversubscribe)
+fi
+[ "$(id -u)" -eq 0 ] && launch+=(--allow-run-as-root)
+# Pass the caller's environment for the run through to every process, on every host.
+for name in PATH LD_LIBRARY_PATH CONFIG $(compgen -e | grep -E '^(MXNET_|HOROVOD_|NCCL_|OMP_)' || true); do
+  launch+=(-x "$name")
+done
+export CONFIG
+
+echo "== preflight: $CONFIG on $NP processes"
+PFC_COMMAND=check "${launch[@]}" -x PFC_COMMAND bash config.sh "$@"
+echo "== training"
+"${launch[@]}" bash config.sh "$@"

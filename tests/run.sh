@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The whole test suite, setting up first when needed:  bash tests/run.sh [pytest args]
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+bash setup-utils/install.sh
+echo "== ruff"
+.venv/bin/ruff check .
+echo "== pytest"
+.venv/bin/python -m pytest -q "$@"

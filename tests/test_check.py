@@ -1,0 +1,117 @@
+"""The preflight, single-process and under both launchers, and its failure lines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mxnet as mx
+import numpy as np
+import pytest
+from conftest import horovodrun_gloo, mpirun, python_module, run
+
+
+def write_dataset(directory: Path, num_classes: int, per_class: int = 2) -> Path:
+    """A minimal insightface-layout dataset: header record 0, then labelled JPEGs."""
+    directory.mkdir(parents=True)
+    writer = mx.recordio.MXIndexedRecordIO(str(directory / "train.idx"),
+                                           str(directory / "train.rec"), "w")
+    count = num_classes * per_class
+    writer.write_idx(0, mx.recordio.pack(mx.recordio.IRHeader(2, [1, count + 1], 0, 0), b""))
+    rng = np.random.default_rng(0)
+    for i in range(count):
+        image = rng.integers(0, 255, (112, 112, 3), dtype=np.uint8)
+        header = mx.recordio.IRHeader(0, float(i % num_classes), i + 1, 0)
+        writer.write_idx(i + 1, mx.recordio.pack_img(header, image, quality=90))
+    writer.close()
+    (directory / "property").write_text(f"{num_classes},112,112\n")
+    return directory
+
+
+def write_config(tmp_path: Path, rec: Path, num_classes: int, extra: str = "") -> Path:
+    path = tmp_path / "cfg.py"
+    path.write_text(f"rec = {str(rec)!r}\nnum_classes = {num_classes}\n"
+                    f"embedding_size = 64\nbatch_size = 8\n{extra}")
+    return path
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    return write_dataset(tmp_path / "data", num_classes=5)
+
+
+def test_good_setup_passes_and_reports_the_build(tmp_path, dataset):
+    result = run(python_module("check", str(write_config(tmp_path, dataset, 5))))
+    assert result.returncode == 0, result.stdout
+    out = result.stdout
+    assert "OK: no problems found" in out
+    assert f"MXNet {mx.__version__}" in out and "oneDNN yes" in out
+    assert "Horovod 0.28.1: built with MXNet, MPI, Gloo" in out
+    assert "MPI: Open MPI" in out
+    assert "processes: 1 on 1 host(s)" in out and "device cpu(0)" in out
+
+
+def test_missing_dataset_names_the_file(tmp_path, dataset):
+    (dataset / "train.idx").unlink()
+    result = run(python_module("check", str(write_config(tmp_path, dataset, 5))))
+    assert result.returncode == 1
+    problem = [line for line in result.stdout.splitlines() if line.startswith("PROBLEM")]
+    assert len(problem) == 1 and f"index file {dataset / 'train.idx'} is missing" in problem[0]
+    missing_dir = run(python_module("check", str(write_config(tmp_path, tmp_path / "nowhere", 5))))
+    assert missing_dir.returncode == 1
+    assert f"dataset directory {tmp_path / 'nowhere'} does not exist" in missing_dir.stdout
+
+
+def test_bad_files_are_named(tmp_path, dataset):
+    (dataset / "train.rec").write_bytes(b"not a record file")
+    (dataset / "property").write_text("7,112,112")
+    config = write_config(tmp_path, dataset, 5, extra="val_targets = ['lfw']\n")
+    out = run(python_module("check", str(config))).stdout
+    assert f"dataset file {dataset / 'train.rec'} is not a RecordIO file" in out
+    assert "property says 7 classes but the config has num_classes=5" in out
+    assert f"verification set {dataset / 'lfw.bin'} is missing" in out
+    assert "3 problem(s) found" in out
+
+
+def test_impossible_memory_is_refused_with_the_figures(tmp_path, dataset):
+    config = write_config(tmp_path, dataset, 5)
+    result = run(python_module("check", str(config), "num_classes=2000000000",
+                               "embedding_size=512"))
+    assert result.returncode == 1
+    # 2e9 rows x 512 x 4 bytes x (weight + momentum) = 7629.4 GiB on one process
+    assert "Partial FC needs" in result.stdout
+    assert "centers and momentum 7629.4 GiB" in result.stdout
+    fits = run(python_module("check", str(config), "num_classes=2000000000", "embedding_size=512",
+                             "fp16_centers=True"))
+    assert "centers and momentum 3814.7 GiB" in fits.stdout
+
+
+def test_bad_config_is_a_clear_error(tmp_path, dataset):
+    result = run(python_module("check", str(write_config(tmp_path, dataset, 5)), "batchsize=3"))
+    assert result.returncode == 2
+    assert "unknown config key 'batchsize'" in result.stdout and "batch_size" in result.stdout
+
+
+def test_mpirun_two_processes_are_reported_and_all_fail_together(tmp_path, dataset):
+    config = str(write_config(tmp_path, dataset, 5))
+    good = mpirun(2, python_module("check", config))
+    assert good.returncode == 0, good.stdout
+    assert "processes: 2 on 1 host(s)" in good.stdout and "launched by mpirun" in good.stdout
+    assert "controller in use: MPI" in good.stdout
+    assert "rank 0: host" in good.stdout and "rank 1: host" in good.stdout
+    (dataset / "train.rec").unlink()
+    bad = mpirun(2, python_module("check", config))
+    assert bad.returncode != 0
+    problems = [line for line in bad.stdout.splitlines() if line.startswith("PROBLEM")]
+    assert len(problems) == 1, problems  # one line per problem, naming both ranks
+    assert "rank 0 (" in problems[0] and "rank 1 (" in problems[0]
+    assert f"dataset file {dataset / 'train.rec'} is missing" in problems[0]
+
+
+def test_horovodrun_gloo_through_config_sh(tmp_path, dataset):
+    config = str(write_config(tmp_path, dataset, 5))
+    result = horovodrun_gloo(3, ["bash", "config.sh"],
+                             env={"CONFIG": config, "PFC_COMMAND": "check"})
+    assert result.returncode == 0, result.stdout
+    assert "controller in use: Gloo" in result.stdout
+    assert "processes: 3 on 1 host(s)" in result.stdout
+    assert "launched by horovodrun" in result.stdout

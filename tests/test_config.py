@@ -1,0 +1,80 @@
+from pathlib import Path
+
+import pytest
+
+from partial_fc_mx.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_every_shipped_config_loads():
+    configs = sorted((REPO / "configs").glob("*.py"))
+    assert len(configs) >= 3
+    for path in configs:
+        config = load_config(path)
+        assert config.num_classes > 0, path
+        assert config.output == f"work_dirs/{path.stem}"
+
+
+def test_base_is_inherited_and_overridden(tmp_path):
+    write(tmp_path / "parent.py", "num_classes = 10\nnetwork = 'r50'\nlr = 0.2\n")
+    child = write(tmp_path / "child.py", "_base_ = 'parent.py'\nnetwork = 'r100'\n")
+    config = load_config(child, ["lr=0.05", "margin_list=(1.0, 0.0, 0.4)", "val_targets=[]"])
+    assert (config.num_classes, config.network, config.lr) == (10, "r100", 0.05)
+    assert config.margin_list == (1.0, 0.0, 0.4)
+
+
+def test_override_types_are_coerced_only_when_lossless(tmp_path):
+    path = write(tmp_path / "c.py", "num_classes = 10\n")
+    assert load_config(path, ["lr=1"]).lr == 1.0
+    assert load_config(path, ["rec=/data/x"]).rec == "/data/x"
+    with pytest.raises(ConfigError, match="'batch_size' .* must be int, got 'abc'"):
+        load_config(path, ["batch_size=abc"])
+    with pytest.raises(ConfigError, match="must be int, got 1.5"):
+        load_config(path, ["num_classes=1.5"])
+    with pytest.raises(ConfigError, match="must be bool"):
+        load_config(path, ["fp16=1"])
+
+
+def test_unknown_keys_are_rejected_with_a_suggestion(tmp_path):
+    path = write(tmp_path / "c.py", "num_classes = 10\nsample_ratio = 0.1\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'sample_ratio' in .*c\.py; "
+                                          r"did you mean 'sample_rate'"):
+        load_config(path)
+    good = write(tmp_path / "good.py", "num_classes = 10\n")
+    with pytest.raises(ConfigError, match="'embeding_size' in the command line"):
+        load_config(good, ["embeding_size=128"])
+    with pytest.raises(ConfigError, match="not key=value"):
+        load_config(good, ["lr"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("sample_rate=0", "sample_rate=0.0 must be in"),
+    ("sample_rate=1.5", "sample_rate=1.5 must be in"),
+    ("num_classes=0", "num_classes must be > 0"),
+    ("margin_list=(1.0, 0.5)", "must be .m1, m2, m3."),
+    ("optimizer='adam'", "'sgd' or 'adamw'"),
+])
+def test_invalid_values_are_rejected(tmp_path, override, message):
+    path = write(tmp_path / "c.py", "num_classes = 10\n")
+    with pytest.raises(ConfigError, match=message):
+        load_config(path, [override])
+
+
+def test_missing_or_broken_file_names_it(tmp_path):
+    with pytest.raises(ConfigError, match="nope.py does not exist"):
+        load_config(tmp_path / "nope.py")
+    broken = write(tmp_path / "broken.py", "num_classes = = 3\n")
+    with pytest.raises(ConfigError, match="broken.py failed to run"):
+        load_config(broken)
+
+
+def test_val_targets_resolve_names_inside_rec(tmp_path):
+    path = write(tmp_path / "c.py", "num_classes = 3\nrec = '/d'\n"
+                                    "val_targets = ['lfw', '/x/cfp.bin']\n")
+    assert [str(p) for p in load_config(path).val_paths()] == ["/d/lfw.bin", "/x/cfp.bin"]
