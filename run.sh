@@ -23,12 +23,15 @@ else
 fi
 [ "$(id -u)" -eq 0 ] && launch+=(--allow-run-as-root)
 # Pass the caller's environment for the run through to every process, on every host.
-for name in PATH LD_LIBRARY_PATH CONFIG $(compgen -e | grep -E '^(MXNET_|HOROVOD_|NCCL_|OMP_)' || true); do
-  launch+=(-x "$name")
-done
 export CONFIG
+for name in PATH LD_LIBRARY_PATH CONFIG $(compgen -e | grep -E '^(MXNET_|HOROVOD_|NCCL_|OMP_)' || true); do
+  [ -n "${!name+set}" ] && launch+=(-x "$name")
+done
 
 echo "== preflight: $CONFIG on $NP processes"
-PFC_COMMAND=check "${launch[@]}" -x PFC_COMMAND bash config.sh "$@"
+if ! PFC_COMMAND=check "${launch[@]}" -x PFC_COMMAND bash config.sh "$@"; then
+  echo "run.sh: the preflight found the PROBLEM lines above; fix them and run again." >&2
+  exit 1
+fi
 echo "== training"
 "${launch[@]}" bash config.sh "$@"
