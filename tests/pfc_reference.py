@@ -1,0 +1,71 @@
+"""A float64 full-softmax classifier written the plain way, for exactness tests.
+
+It normalizes rows explicitly and back-propagates through the normalization
+(where PartialFC scales the logit columns instead), so the two share no shortcut.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def margin_logit(cos: np.ndarray, m1: float, m2: float, m3: float, s: float) -> np.ndarray:
+    """s * (cos(m1*theta + m2) - m3), continued as a line past theta_max (losses.py)."""
+    theta = np.arccos(np.clip(cos, -1, 1))
+    theta_max = (math.pi - m2) / m1
+    line = cos - math.cos(theta_max) - 1 - m3
+    return s * np.where(theta <= theta_max, np.cos(m1 * theta + m2) - m3, line)
+
+
+def margin_slope(cos: np.ndarray, m1: float, m2: float, m3: float, s: float) -> np.ndarray:
+    if m1 == 1 and m2 == 0:
+        return np.full_like(cos, s)
+    theta = np.arccos(np.clip(cos, -1, 1))
+    on_arc = theta <= (math.pi - m2) / m1
+    with np.errstate(divide="ignore", invalid="ignore"):
+        arc = m1 * np.sin(m1 * theta + m2) / np.sin(theta)
+    return s * np.where(on_arc, arc, 1.0)
+
+
+def loss_and_grads(x, labels, weight, margin, s, columns=None):
+    """Mean margin cross-entropy over the classes in `columns` (all by default).
+
+    Returns (loss, d loss / d x, d loss / d weight) in float64; rows of `weight`
+    outside `columns` get zero gradient.
+    """
+    x, weight = np.asarray(x, np.float64), np.asarray(weight, np.float64)
+    columns = np.arange(len(weight)) if columns is None else np.asarray(columns)
+    w = weight[columns]
+    x_norm = np.linalg.norm(x, axis=1, keepdims=True)
+    w_norm = np.linalg.norm(w, axis=1, keepdims=True)
+    x_hat, w_hat = x / x_norm, w / w_norm
+    cos = np.clip(x_hat @ w_hat.T, -1, 1)
+    rows = np.arange(len(x))
+    target = np.searchsorted(columns, labels)
+    assert (columns[target] == labels).all(), "every label must be among the columns"
+    logits = s * cos
+    logits[rows, target] = margin_logit(cos[rows, target], *margin, s)
+    logits -= logits.max(axis=1, keepdims=True)
+    prob = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
+    loss = -np.log(prob[rows, target]).mean()
+    grad_logits = prob.copy()
+    grad_logits[rows, target] -= 1
+    grad_logits /= len(x)
+    grad_cos = s * grad_logits
+    grad_cos[rows, target] = grad_logits[rows, target] * margin_slope(cos[rows, target], *margin, s)
+    grad_x_hat, grad_w_hat = grad_cos @ w_hat, grad_cos.T @ x_hat
+    grad_x = (grad_x_hat - x_hat * (x_hat * grad_x_hat).sum(1, keepdims=True)) / x_norm
+    grad_w = (grad_w_hat - w_hat * (w_hat * grad_w_hat).sum(1, keepdims=True)) / w_norm
+    grad_weight = np.zeros_like(weight)
+    grad_weight[columns] = grad_w
+    return loss, grad_x, grad_weight
+
+
+def sgd_momentum(weight, momentum, grad, rows, lr, mu, wd):
+    """MXNet's sgd_mom_update on `rows` only: v = mu*v - lr*(g + wd*w); w += v."""
+    weight, momentum = weight.astype(np.float64), momentum.astype(np.float64)
+    momentum[rows] = mu * momentum[rows] - lr * (grad[rows] + wd * weight[rows])
+    weight[rows] += momentum[rows]
+    return weight, momentum

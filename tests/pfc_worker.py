@@ -1,0 +1,131 @@
+"""One rank of a Partial FC exactness test; launched alone, by horovodrun or by mpirun.
+
+Every rank builds the same global problem from a seed, runs PartialFC on its part,
+and compares with the float64 full-softmax reference in pfc_reference.py. It prints
+`PASS rank R ...` with the errors it saw, or raises. Usage:
+
+    python tests/pfc_worker.py CASE      (CASE: exact, unequal, sampled, fp16, bad-label,
+                                          nonfinite, width)
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import horovod.mxnet as hvd
+import mxnet as mx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pfc_reference import loss_and_grads, sgd_momentum  # noqa: E402
+
+from partial_fc_mx.partial_fc import PartialFC, PartialFCInputError  # noqa: E402
+
+LR, MU, WD = 0.5, 0.9, 5e-4
+TOLERANCE = 1e-5
+
+
+def rel(a, b) -> float:
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def problem(seed, world, num_classes, dim, batch_sizes):
+    rng = np.random.default_rng(seed)
+    total = sum(batch_sizes)
+    x = rng.normal(size=(total, dim)).astype(np.float32)
+    labels = rng.integers(0, num_classes, total)
+    offsets = np.concatenate([[0], np.cumsum(batch_sizes)])
+    return x, labels, offsets
+
+
+def run_steps(case: str, rank: int, world: int) -> dict:
+    num_classes, dim = (400, 24) if case == "sampled" else (53, 24)
+    sample_rate = 0.2 if case == "sampled" else 1.0
+    batch_sizes = [4 + r for r in range(world)] if case == "unequal" else [5] * world
+    margin, scale = (1.0, 0.5, 0.0), 30.0
+    rng = np.random.default_rng(1)
+    weight = rng.normal(size=(num_classes, dim)).astype(np.float32)
+    momentum = (0.01 * rng.normal(size=(num_classes, dim))).astype(np.float32)
+    pfc = PartialFC(num_classes, dim, rank=rank, world_size=world, sample_rate=sample_rate,
+                    margin=margin, scale=scale, momentum=MU, weight_decay=WD,
+                    fp16_centers=case == "fp16", seed=7)
+    shard = slice(pfc.shard.start, pfc.shard.stop)
+    if case == "fp16":  # the reference starts from the same rounded centers
+        weight, momentum = weight.astype(np.float16), momentum.astype(np.float16)
+    pfc.load_shard(weight[shard], momentum[shard])
+    ref_w, ref_m = weight.astype(np.float64), momentum.astype(np.float64)
+    errors = {"loss": 0.0, "grad": 0.0, "weight": 0.0, "momentum": 0.0, "update": 0.0}
+    for step in range(2):
+        x, labels, offsets = problem(100 + step, world, num_classes, dim, batch_sizes)
+        mine = slice(offsets[rank], offsets[rank + 1])
+        local_x = mx.nd.array(x[mine])
+        if case == "fp16":
+            local_x = local_x.astype("float16")
+            x = x.astype(np.float16).astype(np.float32)
+        before_w, before_m = pfc.weight.asnumpy(), pfc.momentum.asnumpy()
+        loss, grad = pfc.forward_backward(local_x, mx.nd.array(labels[mine]))
+        pfc.step(LR)
+        assert grad.dtype == local_x.dtype and grad.shape == local_x.shape
+        sampled = np.sort(np.concatenate(hvd.allgather_object(pfc.sampled_classes)))
+        ref_loss, ref_gx, ref_gw = loss_and_grads(x, labels, ref_w, margin, scale, sampled)
+        new_w, new_m = sgd_momentum(ref_w, ref_m, ref_gw, sampled, LR, MU, WD)
+        got_w, got_m = pfc.weight.asnumpy(), pfc.momentum.asnumpy()
+        errors["loss"] = max(errors["loss"], rel(loss.asscalar(), ref_loss))
+        errors["grad"] = max(errors["grad"], rel(grad.asnumpy(), ref_gx[mine]))
+        errors["weight"] = max(errors["weight"], rel(got_w, new_w[shard]))
+        errors["momentum"] = max(errors["momentum"], rel(got_m, new_m[shard]))
+        errors["update"] = max(errors["update"],
+                               rel(got_w - before_w, (new_w - ref_w)[shard]))
+        untouched = np.setdiff1d(np.arange(pfc.shard.count), pfc.sampled_classes - pfc.shard.start)
+        if len(untouched):  # unsampled rows and their momentum: bit for bit
+            assert got_w[untouched].tobytes() == before_w[untouched].tobytes(), "row changed"
+            assert got_m[untouched].tobytes() == before_m[untouched].tobytes(), "momentum changed"
+            errors["untouched_rows"] = len(untouched)
+        ref_w, ref_m = new_w, new_m
+        if case == "fp16":  # the stored state is rounded to float16; continue from it
+            ref_w, ref_m = got_w.astype(np.float64), got_m.astype(np.float64)
+            ref_w = np.concatenate(hvd.allgather_object(ref_w))
+            ref_m = np.concatenate(hvd.allgather_object(ref_m))
+    return errors
+
+
+def run_bad_input(case: str, rank: int, world: int) -> str:
+    pfc = PartialFC(20, 8, rank=rank, world_size=world)
+    x = np.ones((4, 8), np.float32)
+    labels = np.array([1, 2, 3, 4], np.float32)
+    culprit = world - 1
+    if rank == culprit and case == "bad-label":
+        labels[1:4] = [20, -1, 2.5]
+    if rank == culprit and case == "nonfinite":
+        x[2, 3] = np.nan
+    if rank == culprit and case == "width":
+        x = x[:, :7]
+    try:
+        pfc.forward_backward(mx.nd.array(x), labels)
+    except PartialFCInputError as error:
+        return str(error)
+    raise AssertionError(f"rank {rank}: bad input on rank {culprit} was accepted")
+
+
+def main() -> None:
+    case = sys.argv[1]
+    hvd.init()
+    rank, world = hvd.rank(), hvd.size()
+    if case in ("bad-label", "nonfinite", "width"):
+        print(f"REJECTED rank {rank}: {run_bad_input(case, rank, world)}", flush=True)
+        return
+    rounded = 2e-3 if case == "fp16" else TOLERANCE  # float16 centers and embedding grads
+    errors = run_steps(case, rank, world)
+    limits = {"loss": TOLERANCE, "grad": rounded, "weight": rounded,
+              "momentum": rounded, "update": 100 * rounded}
+    failed = {k: v for k, v in errors.items() if k in limits and not v <= limits[k]}
+    report = " ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}"
+                      for k, v in errors.items())
+    if failed:
+        raise AssertionError(f"rank {rank}/{world} {case}: errors above limits: {report}")
+    print(f"PASS rank {rank}/{world} {case}: {report}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

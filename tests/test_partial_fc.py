@@ -1,0 +1,59 @@
+"""Partial FC against the float64 full-softmax reference, with real processes.
+
+Each launch runs tests/pfc_worker.py on every rank; a rank prints PASS with the
+errors it measured only when loss, embedding gradients and centers after two
+updates are within 1e-5 (relative) of the reference, and unsampled rows are
+bit-identical. Bad input must be rejected with the same message on every rank.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from conftest import horovodrun_gloo, mpirun, run
+
+WORKER = ["tests/pfc_worker.py"]
+
+
+def launch(launcher: str, world: int, case: str):
+    args = [sys.executable, *WORKER, case]
+    if launcher == "python":
+        return run(args, timeout=120)
+    if launcher == "mpirun":
+        return mpirun(world, args, timeout=180)
+    return horovodrun_gloo(world, args, timeout=180)
+
+
+def assert_every_rank_passed(result, world: int, case: str):
+    assert result.returncode == 0, result.stdout[-3000:]
+    for rank in range(world):
+        assert f"PASS rank {rank}/{world} {case}:" in result.stdout, result.stdout[-3000:]
+
+
+@pytest.mark.parametrize("launcher, world, case", [
+    ("python", 1, "exact"),
+    ("python", 1, "sampled"),
+    ("horovodrun", 2, "exact"),       # 53 classes: shards of 27 and 26
+    ("mpirun", 3, "exact"),           # 18, 18, 17
+    ("horovodrun", 3, "sampled"),     # sample_rate 0.2 of 400 classes
+    ("mpirun", 2, "sampled"),
+    ("mpirun", 3, "unequal"),         # batches of 4, 5 and 6 rows
+    ("horovodrun", 2, "fp16"),        # float16 embeddings and float16 center storage
+])
+def test_matches_the_full_softmax_reference(launcher, world, case):
+    assert_every_rank_passed(launch(launcher, world, case), world, case)
+
+
+@pytest.mark.parametrize("launcher, world, case, message", [
+    ("mpirun", 2, "bad-label",
+     "rank 1 passed labels that are not integers in [0, 20): [20.0, -1.0, 2.5]"),
+    ("horovodrun", 3, "nonfinite",
+     "rank 2 passed non-finite embeddings (NaN/Inf) in batch rows [2]"),
+    ("mpirun", 3, "width", "rank 2 passed 4 x 7 embeddings with 4 labels; expected 4 x 8"),
+])
+def test_bad_input_is_rejected_on_every_rank(launcher, world, case, message):
+    result = launch(launcher, world, case)
+    assert result.returncode == 0, result.stdout[-3000:]
+    for rank in range(world):
+        assert f"REJECTED rank {rank}: Partial FC input rejected: {message}" in result.stdout
