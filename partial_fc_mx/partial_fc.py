@@ -103,6 +103,7 @@ class PartialFC:
         self.momentum = mx.nd.zeros(shape, ctx=self.ctx, dtype=self.dtype)
         self._pending = None  # (index, sampled weights, their gradient) until step()
         self._last_rows = None  # shard rows sampled in the last step; None: all
+        self._grad_buffer = None  # d loss / d sampled centers, reused across steps
 
     @property
     def sampled_classes(self) -> np.ndarray:
@@ -153,20 +154,23 @@ class PartialFC:
             target_logit = mx.nd.zeros_like(row_max)
             if targets.rows is not None:
                 target_logit[targets.rows] = targets.logits
-            sums = mx.nd.stack(exp.sum(axis=1), target_logit, axis=1)
+            sums = mx.nd.stack(row_sums(exp), target_logit, axis=1)
         with self.timer.phase("communication"):
             sums = hvd.allreduce(sums, op=hvd.Sum, name="pfc.sum")
         with self.timer.phase("compute"):
             exp_sum, target_logit = sums[:, 0], sums[:, 1]
             loss = (mx.nd.log(exp_sum) + row_max - target_logit).mean()
             grad_gram = self._grad_gram(exp, exp_sum, col_scale, targets)
-            # |w_j| also enters through cos = G / |w_j|; its part of d loss / d w_j is
-            # -w_j / |w_j|^2 * sum_i dG_ij G_ij (computed before G's buffer is reused)
-            per_row = (grad_gram * gram).sum(axis=0) * (col_scale / self.margin.scale) ** 2
+            # |w_j| also enters through cos = G / |w_j|: its part of d loss / d w_j is
+            # -w_j / |w_j|^2 * sum_i dG_ij G_ij. G's buffer is free for the product (the
+            # recorded GEMM's backward needs only its inputs).
+            dg_g = mx.nd.elemwise_mul(grad_gram, gram, out=gram)
+            per_row = col_sums(dg_g) * (col_scale / self.margin.scale) ** 2
         with self.timer.phase("gemm"):
             gram.backward(grad_gram)
         with self.timer.phase("compute"):
-            grad_w = w.grad - mx.nd.broadcast_mul(w, per_row.reshape((-1, 1)))
+            grad_w = w.grad
+            grad_w -= mx.nd.broadcast_mul(w, per_row.reshape((-1, 1)))
             grad_x_hat = x_hat.grad
             grad_x = grad_x_hat - x_hat * (x_hat * grad_x_hat).sum(axis=1, keepdims=True)
             grad_x = grad_x * x_norm_inv
@@ -177,31 +181,36 @@ class PartialFC:
         return loss, mine.astype(embeddings.dtype, copy=False)
 
     def step(self, lr: float) -> None:
-        """SGD with momentum and weight decay on the sampled rows only."""
+        """SGD with momentum and weight decay on the sampled rows only.
+
+        float32 shards use MXNet's lazy row-sparse update, which touches exactly the
+        sampled rows of the weights and momentum in place (no gather or scatter);
+        float16 shards are updated in float32 and stored back rounded.
+        """
         if self._pending is None:
             raise RuntimeError("PartialFC.step() needs a forward_backward() first")
         index, w, grad_w = self._pending
         self._pending = None
+        options = dict(lr=lr, momentum=self.momentum_factor, wd=self.weight_decay)
         with self.timer.phase("update"):
-            if index is None:  # every row sampled: update in place
-                self._update(self.weight, grad_w, self.momentum, lr)
-                return
-            mom = mx.nd.take(self.momentum, index).astype("float32", copy=False)
-            self._update(w, grad_w, mom, lr)
-            self.weight[index] = w.astype(self.dtype, copy=False)
-            self.momentum[index] = mom.astype(self.dtype, copy=False)
+            if self.dtype == "float16":
+                self._update_rounded(index, w, grad_w, options)
+            elif index is None:
+                mx.nd.sgd_mom_update(self.weight, grad_w, self.momentum, out=self.weight,
+                                     **options)
+            else:
+                rows = mx.nd.sparse.row_sparse_array((grad_w, index), shape=self.weight.shape,
+                                                     ctx=self.ctx)
+                mx.nd.sgd_mom_update(self.weight, rows, self.momentum, lazy_update=True,
+                                     out=self.weight, **options)
 
-    def _update(self, weight, grad, mom, lr: float) -> None:
-        if weight.dtype == np.float32 and mom.dtype == np.float32:
-            mx.nd.sgd_mom_update(weight, grad, mom, lr=lr, momentum=self.momentum_factor,
-                                 wd=self.weight_decay, out=weight)
-            return
-        # float16 storage: update in float32, store back rounded
-        w32, m32 = weight.astype("float32"), mom.astype("float32")
-        mx.nd.sgd_mom_update(w32, grad, m32, lr=lr, momentum=self.momentum_factor,
-                             wd=self.weight_decay, out=w32)
-        w32.astype(weight.dtype).copyto(weight)
-        m32.astype(mom.dtype).copyto(mom)
+    def _update_rounded(self, index, w, grad_w, options: dict) -> None:
+        rows = slice(None) if index is None else index
+        momentum = self.momentum if index is None else mx.nd.take(self.momentum, index)
+        momentum = momentum.astype("float32")
+        mx.nd.sgd_mom_update(w, grad_w, momentum, out=w, **options)
+        self.weight[rows] = w.astype("float16")
+        self.momentum[rows] = momentum.astype("float16")
 
     # ----- the pieces -----
     def _gather(self, embeddings: mx.nd.NDArray, labels) -> GatheredBatch:
@@ -272,18 +281,21 @@ class PartialFC:
         w = self.weight if index is None else mx.nd.take(self.weight, index)
         return w.astype("float32", copy=False)
 
-    @staticmethod
-    def _gram(x_hat: mx.nd.NDArray, w: mx.nd.NDArray) -> mx.nd.NDArray:
+    def _gram(self, x_hat: mx.nd.NDArray, w: mx.nd.NDArray) -> mx.nd.NDArray:
         """G = x_hat @ w.T, recorded: its backward (both GEMMs) runs in oneDNN, the
-        fastest of MXNet's GEMM paths measured on CPU (docs/benchmarks.md)."""
+        fastest of MXNet's GEMM paths measured on CPU (docs/benchmarks.md). The
+        centers' gradient lands in a buffer kept across steps: attach_grad would
+        allocate and zero n x D floats every step."""
+        if self._grad_buffer is None or self._grad_buffer.shape != w.shape:
+            self._grad_buffer = mx.nd.empty(w.shape, ctx=self.ctx)
+        mx.autograd.mark_variables([w], [self._grad_buffer], grad_reqs="write")
         x_hat.attach_grad()
-        w.attach_grad()
         with mx.autograd.record():
             return mx.nd.FullyConnected(x_hat, w, num_hidden=w.shape[0], no_bias=True)
 
     def _logits(self, gram, w, target_col: np.ndarray) -> tuple:
         """Scaled cosines with the margin on the targets in this shard."""
-        col_scale = self.margin.scale / mx.nd.norm(w, axis=1)  # s / |w_j|
+        col_scale = self.margin.scale / mx.nd.sqrt(row_sums(mx.nd.square(w)))  # s / |w_j|
         logits = mx.nd.broadcast_mul(gram, col_scale.reshape((1, -1)))
         targets = Targets.of(target_col, self.ctx)
         if targets.rows is not None:
@@ -333,6 +345,18 @@ class Targets:
         cols = target_col[rows]
         as_nd = lambda a: mx.nd.array(a, ctx=ctx, dtype="int64")  # noqa: E731
         return cls(as_nd(rows), as_nd(cols), as_nd(np.stack([rows, cols])))
+
+
+# Row and column sums as GEMVs against a vector of ones: on CPU these run 2-10x
+# faster than MXNet's sum(axis=...) reductions (docs/benchmarks.md).
+def row_sums(matrix: mx.nd.NDArray) -> mx.nd.NDArray:
+    ones = mx.nd.ones((1, matrix.shape[1]), ctx=matrix.context, dtype=matrix.dtype)
+    return mx.nd.FullyConnected(matrix, ones, num_hidden=1, no_bias=True).reshape(-1)
+
+
+def col_sums(matrix: mx.nd.NDArray) -> mx.nd.NDArray:
+    ones = mx.nd.ones((1, matrix.shape[0]), ctx=matrix.context, dtype=matrix.dtype)
+    return mx.nd.dot(ones, matrix).reshape(-1)
 
 
 def set_entries(matrix: mx.nd.NDArray, where: mx.nd.NDArray, values: mx.nd.NDArray) -> None:

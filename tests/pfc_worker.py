@@ -4,8 +4,8 @@ Every rank builds the same global problem from a seed, runs PartialFC on its par
 and compares with the float64 full-softmax reference in pfc_reference.py. It prints
 `PASS rank R ...` with the errors it saw, or raises. Usage:
 
-    python tests/pfc_worker.py CASE      (CASE: exact, unequal, sampled, fp16, bad-label,
-                                          nonfinite, width)
+    python tests/pfc_worker.py CASE      (CASE: exact, unequal, sampled, fp16,
+                                          fp16-sampled, bf16, bad-label, nonfinite, width)
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ from partial_fc_mx.partial_fc import PartialFC, PartialFCInputError  # noqa: E40
 
 LR, MU, WD = 0.5, 0.9, 5e-4
 TOLERANCE = 1e-5
+BFLOAT16 = np.dtype([("bfloat16", np.uint16)])  # how MXNet 1.9 names bfloat16
+# relative rounding of the embedding gradient handed back in the embeddings' dtype
+ROUNDING = {"fp16": 2e-3, "bf16": 1e-2}
 
 
 def rel(a, b) -> float:
@@ -40,8 +43,9 @@ def problem(seed, world, num_classes, dim, batch_sizes):
 
 
 def run_steps(case: str, rank: int, world: int) -> dict:
-    num_classes, dim = (400, 24) if case == "sampled" else (53, 24)
-    sample_rate = 0.2 if case == "sampled" else 1.0
+    sampled, fp16 = "sampled" in case, "fp16" in case
+    num_classes, dim = (400, 24) if sampled else (53, 24)
+    sample_rate = 0.2 if sampled else 1.0
     batch_sizes = [4 + r for r in range(world)] if case == "unequal" else [5] * world
     margin, scale = (1.0, 0.5, 0.0), 30.0
     rng = np.random.default_rng(1)
@@ -49,9 +53,9 @@ def run_steps(case: str, rank: int, world: int) -> dict:
     momentum = (0.01 * rng.normal(size=(num_classes, dim))).astype(np.float32)
     pfc = PartialFC(num_classes, dim, rank=rank, world_size=world, sample_rate=sample_rate,
                     margin=margin, scale=scale, momentum=MU, weight_decay=WD,
-                    fp16_centers=case == "fp16", seed=7)
+                    fp16_centers=fp16, seed=7)
     shard = slice(pfc.shard.start, pfc.shard.stop)
-    if case == "fp16":  # the reference starts from the same rounded centers
+    if fp16:  # the reference starts from the same rounded centers
         weight, momentum = weight.astype(np.float16), momentum.astype(np.float16)
     pfc.load_shard(weight[shard], momentum[shard])
     ref_w, ref_m = weight.astype(np.float64), momentum.astype(np.float64)
@@ -60,9 +64,10 @@ def run_steps(case: str, rank: int, world: int) -> dict:
         x, labels, offsets = problem(100 + step, world, num_classes, dim, batch_sizes)
         mine = slice(offsets[rank], offsets[rank + 1])
         local_x = mx.nd.array(x[mine])
-        if case == "fp16":
-            local_x = local_x.astype("float16")
-            x = x.astype(np.float16).astype(np.float32)
+        if fp16 or "bf16" in case:  # the reference sees the same rounded embeddings
+            dtype = "float16" if fp16 else BFLOAT16
+            local_x = mx.nd.amp_cast(local_x, dtype=dtype)
+            x = mx.nd.amp_cast(mx.nd.array(x), dtype=dtype).astype("float32").asnumpy()
         before_w, before_m = pfc.weight.asnumpy(), pfc.momentum.asnumpy()
         loss, grad = pfc.forward_backward(local_x, mx.nd.array(labels[mine]))
         pfc.step(LR)
@@ -72,7 +77,7 @@ def run_steps(case: str, rank: int, world: int) -> dict:
         new_w, new_m = sgd_momentum(ref_w, ref_m, ref_gw, sampled, LR, MU, WD)
         got_w, got_m = pfc.weight.asnumpy(), pfc.momentum.asnumpy()
         errors["loss"] = max(errors["loss"], rel(loss.asscalar(), ref_loss))
-        errors["grad"] = max(errors["grad"], rel(grad.asnumpy(), ref_gx[mine]))
+        errors["grad"] = max(errors["grad"], rel(grad.astype("float32").asnumpy(), ref_gx[mine]))
         errors["weight"] = max(errors["weight"], rel(got_w, new_w[shard]))
         errors["momentum"] = max(errors["momentum"], rel(got_m, new_m[shard]))
         errors["update"] = max(errors["update"],
@@ -83,7 +88,7 @@ def run_steps(case: str, rank: int, world: int) -> dict:
             assert got_m[untouched].tobytes() == before_m[untouched].tobytes(), "momentum changed"
             errors["untouched_rows"] = len(untouched)
         ref_w, ref_m = new_w, new_m
-        if case == "fp16":  # the stored state is rounded to float16; continue from it
+        if fp16:  # the stored state is rounded to float16; continue from it
             ref_w, ref_m = got_w.astype(np.float64), got_m.astype(np.float64)
             ref_w = np.concatenate(hvd.allgather_object(ref_w))
             ref_m = np.concatenate(hvd.allgather_object(ref_m))
@@ -115,10 +120,11 @@ def main() -> None:
     if case in ("bad-label", "nonfinite", "width"):
         print(f"REJECTED rank {rank}: {run_bad_input(case, rank, world)}", flush=True)
         return
-    rounded = 2e-3 if case == "fp16" else TOLERANCE  # float16 centers and embedding grads
+    grad_limit = next((v for k, v in ROUNDING.items() if k in case), TOLERANCE)
+    center_limit = ROUNDING["fp16"] if "fp16" in case else TOLERANCE  # float16 storage
     errors = run_steps(case, rank, world)
-    limits = {"loss": TOLERANCE, "grad": rounded, "weight": rounded,
-              "momentum": rounded, "update": 100 * rounded}
+    limits = {"loss": TOLERANCE, "grad": grad_limit, "weight": center_limit,
+              "momentum": center_limit, "update": 100 * center_limit}
     failed = {k: v for k, v in errors.items() if k in limits and not v <= limits[k]}
     report = " ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}"
                       for k, v in errors.items())

@@ -40,6 +40,8 @@ def assert_every_rank_passed(result, world: int, case: str):
     ("mpirun", 2, "sampled"),
     ("mpirun", 3, "unequal"),         # batches of 4, 5 and 6 rows
     ("horovodrun", 2, "fp16"),        # float16 embeddings and float16 center storage
+    ("mpirun", 2, "fp16-sampled"),
+    ("horovodrun", 2, "bf16"),        # bfloat16 embeddings (MXNet's CPU low precision)
 ])
 def test_matches_the_full_softmax_reference(launcher, world, case):
     assert_every_rank_passed(launch(launcher, world, case), world, case)
