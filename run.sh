@@ -14,6 +14,10 @@ HOSTFILE=${HOSTFILE:-}
 
 bash setup-utils/install.sh
 export PATH="$root/.venv/bin:$PATH"
+if [ "$CONFIG" = configs/orl.py ] && [ ! -f data/orl/train.rec ]; then
+  echo "== packing the default job's data: ORL faces -> data/orl"
+  .venv/bin/python -m partial_fc_mx pack-orl data/orl
+fi
 
 launch=(mpirun -np "$NP" -bind-to none -map-by slot)
 if [ -n "$HOSTFILE" ]; then

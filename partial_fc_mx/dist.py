@@ -44,3 +44,17 @@ def controller() -> str:
 def allgather_object(obj: object, name: str) -> list:
     """Every rank's `obj`, in rank order, on every rank (small Python objects only)."""
     return hvd.allgather_object(obj, name=name)
+
+
+def errors_on_any_rank(error: Exception | None, name: str) -> list[str]:
+    """Called by every rank at the same point: every rank's error message, if any.
+
+    One allreduce of a flag in the common case; the messages are gathered only when
+    some rank failed, so all ranks can stop together with the same report.
+    """
+    failed = mx.nd.array([0.0 if error is None else 1.0])
+    if hvd.allreduce(failed, op=hvd.Sum, name=f"{name}.failed").asscalar() == 0:
+        return []
+    message = None if error is None else str(error)
+    everyone = allgather_object(message, name=f"{name}.errors")
+    return [f"rank {rank}: {text}" for rank, text in enumerate(everyone) if text is not None]

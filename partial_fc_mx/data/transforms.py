@@ -1,0 +1,53 @@
+"""Encoded face image -> 112 x 112 RGB, and a batch of them -> the backbone's input.
+
+Decoding happens per image in worker threads (OpenCV releases the GIL); the
+conversion to normalized float32 NCHW is one vectorized pass over the batch.
+"""
+
+from __future__ import annotations
+
+import cv2
+import numpy as np
+
+FACE_SIZE = 112
+cv2.setNumThreads(1)  # parallelism comes from the loader's workers, not inside OpenCV
+
+
+def decode_face(encoded: bytes, mirror: bool = False) -> tuple[np.ndarray | None, bool]:
+    """(112 x 112 x 3 RGB uint8, whether it had to be resized); (None, False) if corrupt.
+
+    Grayscale images become three equal channels.
+    """
+    image = cv2.imdecode(np.frombuffer(encoded, np.uint8), cv2.IMREAD_COLOR)
+    if image is None:
+        return None, False
+    resized = image.shape[:2] != (FACE_SIZE, FACE_SIZE)
+    if resized:
+        image = cv2.resize(image, (FACE_SIZE, FACE_SIZE), interpolation=cv2.INTER_AREA)
+    if mirror:
+        image = cv2.flip(image, 1)
+    return cv2.cvtColor(image, cv2.COLOR_BGR2RGB), resized
+
+
+def to_network_input(images: np.ndarray) -> np.ndarray:
+    """B x H x W x 3 uint8 -> B x 3 x H x W float32, (x - 127.5) / 128 as insightface."""
+    batch = images.transpose(0, 3, 1, 2).astype(np.float32)
+    batch -= 127.5
+    batch *= 1 / 128
+    return batch
+
+
+def encode_jpeg(rgb: np.ndarray, quality: int = 95) -> bytes:
+    ok, buffer = cv2.imencode(".jpg", cv2.cvtColor(rgb, cv2.COLOR_RGB2BGR),
+                              [cv2.IMWRITE_JPEG_QUALITY, quality])
+    assert ok
+    return buffer.tobytes()
+
+
+def center_square(image: np.ndarray, size: int = FACE_SIZE) -> np.ndarray:
+    """Crop the central square and resize it: for unaligned pictures of any shape."""
+    height, width = image.shape[:2]
+    side = min(height, width)
+    top, left = (height - side) // 2, (width - side) // 2
+    square = image[top:top + side, left:left + side]
+    return cv2.resize(square, (size, size), interpolation=cv2.INTER_AREA)
