@@ -21,6 +21,12 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("overrides", nargs="*", metavar="key=value",
                              help="override config keys, e.g. sample_rate=0.1 batch_size=64")
         command.add_argument("--work-dir", help="output directory (overrides `output`)")
+        if name == "train":
+            command.add_argument("--resume-from", metavar="DIR",
+                                 help="a checkpoint, or a work dir (its newest checkpoint): "
+                                      "restore everything and continue")
+            command.add_argument("--load-from", metavar="DIR",
+                                 help="take the weights of a checkpoint, start at step 0")
 
     pack = commands.add_parser("pack", help="pack images into train.rec/train.idx/property",
                                description="SRC is a folder with one subfolder per identity, "
@@ -42,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     synthetic.add_argument("--heldout", type=int, default=100)
     synthetic.add_argument("--pairs", type=int, default=300)
     synthetic.add_argument("--seed", type=int, default=0)
+    model = commands.add_parser("model", help="parameter count and FLOPs of a backbone")
+    model.add_argument("network", help="r18, r34, r50, r100, r200, mobilefacenet or tiny")
+    model.add_argument("--embedding-size", type=int, default=512)
     inspect = commands.add_parser("inspect", help="counts, header consistency, corrupt records")
     inspect.add_argument("directory")
     inspect.add_argument("--scan", action="store_true", help="decode every image")
@@ -50,9 +59,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # key=value overrides may also come after options (config.sh passes "$@" last)
+    args, extra = parser.parse_known_args(argv)
+    stray = [word for word in extra if "=" not in word or word.startswith("-")]
+    if stray or (extra and args.command not in ("check", "train")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        args.overrides = list(args.overrides) + extra
     if args.command in ("check", "train"):
         return config_command(args)
+    if args.command == "model":
+        return model_command(args.network, args.embedding_size)
     from .data.recordio import DataError
 
     try:
@@ -73,9 +91,22 @@ def config_command(args: argparse.Namespace) -> int:
         return 2
     if args.command == "check":
         return check_command(config)
-    print("partial_fc_mx train: the trainer is not written yet (issue 5); "
-          "the preflight above is all this version does.", file=sys.stderr)
-    return 3
+    return train_command(config, args.resume_from, args.load_from)
+
+
+def train_command(config, resume_from: str | None, load_from: str | None) -> int:
+    from .checkpoint import CheckpointError
+    from .data.recordio import DataError
+    from .partial_fc import PartialFCInputError
+    from .precision import PrecisionError
+    from .train import TrainingError, train
+
+    try:
+        return train(config, resume_from, load_from)
+    except (DataError, CheckpointError, PrecisionError, PartialFCInputError,
+            TrainingError) as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return 1
 
 
 def check_command(config) -> int:
@@ -86,6 +117,22 @@ def check_command(config) -> int:
               "with MXNet support)")
         return 1
     return run_check(config)
+
+
+def model_command(network: str, embedding_size: int) -> int:
+    from .backbones import get_model
+    from .backbones.summary import count_flops
+
+    try:
+        net = get_model(network, embedding_size)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    net.initialize()
+    params, macs = count_flops(net)
+    print(f"{network}: {params / 1e6:.2f} M parameters, {macs / 1e9:.3f} GFLOPs "
+          f"(multiply-adds) per 112x112 image, {embedding_size}-d embedding")
+    return 0
 
 
 def data_command(args: argparse.Namespace) -> int:

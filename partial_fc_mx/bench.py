@@ -23,7 +23,6 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import horovod.mxnet as hvd
 import mxnet as mx
 import numpy as np
 import psutil
@@ -86,12 +85,8 @@ def numpy_sgemm_gflops(rows: int, cols: int, depth: int, alone: bool, repeats: i
             start = time.perf_counter()
             a @ b.T
             times.append(time.perf_counter() - start)
-    barrier()
+    dist.barrier("bench")
     return 2 * rows * cols * depth / statistics.median(times) / 1e9 if alone else 0.0
-
-
-def barrier() -> None:
-    hvd.allreduce(mx.nd.zeros(1), name="bench.barrier").wait_to_read()
 
 
 def bench_pfc_config(world: dist.World, ctx: mx.Context, num_classes: int, args) -> dict:
@@ -131,7 +126,7 @@ def run_steps(pfc: PartialFC, x: mx.nd.NDArray, labels: np.ndarray, count: int) 
     """Seconds per full step (forward, backward, center update), all ranks in step."""
     times = []
     for _ in range(count):
-        barrier()
+        dist.barrier("bench")
         start = time.perf_counter()
         pfc.forward_backward(x, labels)
         pfc.step(0.1)

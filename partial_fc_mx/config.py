@@ -35,11 +35,17 @@ class Config:
     val_targets: list = field(default_factory=list)
     """Verification sets: names looked up as <rec>/<name>.bin, or paths to .bin files."""
     num_workers: int = 2
+    """Decode threads per process."""
+    skip_corrupt: bool = False
+    """Replace undecodable images by others of the same batch (counted) instead of failing."""
 
     # --- model ---
     network: str = "r50"
     embedding_size: int = 512
+    dropout: float = 0.0
     fp16: bool = False
+    """float16 backbone with dynamic loss scaling: GPU only (MXNet has no float16
+    convolutions on CPU, so fp16=True on a CPU run is refused)."""
 
     # --- Partial FC ---
     sample_rate: float = 1.0
@@ -54,19 +60,36 @@ class Config:
     """Per process."""
     optimizer: str = "sgd"
     lr: float = 0.1
+    center_lr_scale: float = 1.0
+    """The class centers' learning rate is lr * center_lr_scale."""
     momentum: float = 0.9
     weight_decay: float = 5e-4
     num_epoch: int = 20
     warmup_epoch: int = 0
     lr_steps: list = field(default_factory=list)
-    """Multi-step schedule (global steps); empty selects warmup + polynomial decay."""
+    """Multi-step schedule (global steps, lr x 0.1 at each); empty: polynomial decay."""
+    max_steps: int = 0
+    """Stop after this many steps; 0: num_epoch epochs."""
+    clip_grad: float = 0.0
+    """Clip the backbone's global gradient norm to this; 0: no clipping."""
     seed: int = 2048
 
     # --- output ---
     output: str = ""
     """Work directory; default work_dirs/<config file name>."""
     frequent: int = 10
+    """Write a log line every `frequent` steps."""
     verbose: int = 2000
+    """Evaluate on val_targets every `verbose` steps (and at the end)."""
+    save_every: int = 0
+    """Save a resumable checkpoint every this many steps; 0: at the end of each epoch."""
+    keep_checkpoints: int = 2
+    stall_timeout: int = 1800
+    """Seconds one step (with its evaluation and saving) may take before the process
+    prints every thread's stack and exits, so a stuck job fails instead of hanging
+    (its launcher then ends the other ranks); 0: wait forever."""
+    report_baseline: bool = False
+    """At the end, also score an eigenfaces (PCA) baseline on the val_targets."""
 
     def validate(self) -> None:
         """Reject values that would fail later, far from their cause."""
@@ -81,14 +104,18 @@ class Config:
             problems.append(f"margin_list={self.margin_list} must be (m1, m2, m3)")
         if self.batch_size <= 0:
             problems.append("batch_size must be > 0")
-        if self.optimizer not in ("sgd", "adamw"):
-            problems.append(f"optimizer={self.optimizer!r} must be 'sgd' or 'adamw'")
+        if self.optimizer != "sgd":
+            problems.append(f"optimizer={self.optimizer!r}: only 'sgd' is available")
         if self.lr <= 0:
             problems.append("lr must be > 0")
         if self.num_epoch <= 0:
             problems.append("num_epoch must be > 0")
         if self.num_workers < 0:
             problems.append("num_workers must be >= 0")
+        if self.keep_checkpoints < 1:
+            problems.append("keep_checkpoints must be >= 1")
+        if not 0 <= self.dropout < 1:
+            problems.append(f"dropout={self.dropout} must be in [0, 1)")
         if problems:
             raise ConfigError("invalid config: " + "; ".join(problems))
 

@@ -46,14 +46,23 @@ def allgather_object(obj: object, name: str) -> list:
     return hvd.allgather_object(obj, name=name)
 
 
+def barrier(name: str) -> None:
+    hvd.allreduce(mx.nd.zeros(1), name=f"barrier.{name}").wait_to_read()
+
+
+def any_rank(flag: bool, name: str) -> bool:
+    """True on every rank if `flag` is true on any rank."""
+    total = hvd.allreduce(mx.nd.array([float(flag)]), op=hvd.Sum, name=name)
+    return total.asscalar() > 0
+
+
 def errors_on_any_rank(error: Exception | None, name: str) -> list[str]:
     """Called by every rank at the same point: every rank's error message, if any.
 
     One allreduce of a flag in the common case; the messages are gathered only when
     some rank failed, so all ranks can stop together with the same report.
     """
-    failed = mx.nd.array([0.0 if error is None else 1.0])
-    if hvd.allreduce(failed, op=hvd.Sum, name=f"{name}.failed").asscalar() == 0:
+    if not any_rank(error is not None, name=f"{name}.failed"):
         return []
     message = None if error is None else str(error)
     everyone = allgather_object(message, name=f"{name}.errors")

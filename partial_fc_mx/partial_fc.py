@@ -96,6 +96,7 @@ class PartialFC:
         self.margin = CombinedMargin(*margin, scale=scale)
         self.momentum_factor, self.weight_decay = momentum, weight_decay
         self.dtype = "float16" if fp16_centers else "float32"
+        self.seed = seed
         self.rng = np.random.default_rng([seed, rank])
         self.timer = timer or NoTimer()
         shape = (self.shard.count, embedding_size)

@@ -1,0 +1,24 @@
+"""Backbones by name: iresnet18/34/50/100/200 (r18 ... r200), mobilefacenet, tiny."""
+
+from __future__ import annotations
+
+from mxnet.gluon import HybridBlock
+
+from .iresnet import DEPTHS, IResNet
+from .mobilefacenet import MobileFaceNet
+
+NAMES = sorted([*DEPTHS, "mobilefacenet", "tiny"])
+
+
+def get_model(name: str, embedding_size: int = 512, dropout: float = 0.0) -> HybridBlock:
+    """`tiny` is a 3-stage IResNet with one unit per stage and 16-64 channels: small
+    enough to train on a CPU in minutes (tests, the ORL default job)."""
+    name = name.replace("iresnet", "r")
+    if name in DEPTHS:
+        return IResNet(DEPTHS[name], embedding_size=embedding_size, dropout=dropout)
+    if name == "mobilefacenet":
+        return MobileFaceNet(embedding_size, dropout)
+    if name == "tiny":
+        return IResNet((1, 1, 1), widths=(32, 64, 128), stem=16, stem_stride=2,
+                       embedding_size=embedding_size, dropout=dropout)
+    raise ValueError(f"unknown network {name!r}; choose one of {', '.join(NAMES)}")

@@ -1,0 +1,61 @@
+"""MobileFaceNet (insightface's variant): depthwise-separable residual blocks and a
+global depthwise convolution (GDC) in place of pooling before the embedding."""
+
+from __future__ import annotations
+
+from mxnet.gluon import HybridBlock, nn
+
+from .iresnet import BN_EPS
+
+
+def conv_bn(channels: int, kernel: int, stride: int = 1, groups: int = 1,
+            linear: bool = False, padding: int | None = None) -> nn.HybridSequential:
+    block = nn.HybridSequential()
+    padding = kernel // 2 if padding is None else padding
+    block.add(nn.Conv2D(channels, kernel, stride, padding, groups=groups, use_bias=False),
+              nn.BatchNorm(epsilon=BN_EPS))
+    if not linear:
+        block.add(nn.PReLU())
+    return block
+
+
+class DepthWise(HybridBlock):
+    """1x1 expand -> 3x3 depthwise -> 1x1 linear projection (+ identity if residual)."""
+
+    def __init__(self, channels: int, groups: int, stride: int = 1,
+                 residual: bool = False) -> None:
+        super().__init__()
+        self.residual = residual
+        self.body = nn.HybridSequential()
+        self.body.add(conv_bn(groups, 1), conv_bn(groups, 3, stride, groups=groups),
+                      conv_bn(channels, 1, linear=True))
+
+    def hybrid_forward(self, F, x):
+        return x + self.body(x) if self.residual else self.body(x)
+
+
+class MobileFaceNet(HybridBlock):
+    """Hybridize before use: MXNet 1.9.1's imperative oneDNN path crashes on this
+    net's head at batch sizes above 1 (the hybridized graph runs fine)."""
+
+    def __init__(self, embedding_size: int = 512, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.features = nn.HybridSequential()
+        self.features.add(conv_bn(64, 3, 2), conv_bn(64, 3, groups=64),
+                          DepthWise(64, 128, stride=2))
+        for _ in range(4):
+            self.features.add(DepthWise(64, 128, residual=True))
+        self.features.add(DepthWise(128, 256, stride=2))
+        for _ in range(6):
+            self.features.add(DepthWise(128, 256, residual=True))
+        self.features.add(DepthWise(128, 512, stride=2))
+        for _ in range(2):
+            self.features.add(DepthWise(128, 256, residual=True))
+        gdc = conv_bn(512, 7, groups=512, linear=True, padding=0)  # 7x7 -> 1x1
+        self.features.add(conv_bn(512, 1), gdc)
+        self.head = nn.HybridSequential()
+        self.head.add(nn.Flatten(), nn.Dropout(dropout), nn.Dense(embedding_size, use_bias=False),
+                      nn.BatchNorm(epsilon=BN_EPS, scale=False))
+
+    def hybrid_forward(self, F, x):
+        return self.head(self.features(x))

@@ -1,0 +1,40 @@
+"""Parameter count and FLOPs of a backbone: `python -m partial_fc_mx model NAME`."""
+
+from __future__ import annotations
+
+import ast
+import json
+
+import mxnet as mx
+import numpy as np
+from mxnet.gluon import HybridBlock
+
+
+def count_flops(net: HybridBlock, size: int = 112) -> tuple[int, int]:
+    """(parameters, multiply-adds for one 3 x size x size image) of an initialized net.
+
+    Read from the hybridized graph with inferred shapes, counting convolutions and
+    dense layers (everything else is a rounding error).
+    """
+    net.hybridize()
+    net(mx.nd.zeros((1, 3, size, size)))
+    symbol = net._cached_graph[1]
+    internals = symbol.get_internals()
+    _, output_shapes, _ = internals.infer_shape(data=(1, 3, size, size))
+    shapes = dict(zip(internals.list_outputs(), output_shapes))
+    nodes = json.loads(symbol.tojson())["nodes"]
+    macs = 0
+    for node in nodes:
+        if node["op"] not in ("Convolution", "FullyConnected"):
+            continue
+        out = shapes[f"{node['name']}_output"]
+        source = nodes[node["inputs"][0][0]]
+        source_name = source["name"] if source["op"] == "null" else f"{source['name']}_output"
+        data = shapes[source_name]
+        if node["op"] == "Convolution":
+            kernel = np.prod(ast.literal_eval(node["attrs"]["kernel"]))  # e.g. "(3, 3)"
+            macs += int(np.prod(out)) * data[1] // int(node["attrs"].get("num_group", 1)) * kernel
+        else:
+            macs += int(np.prod(out)) * int(np.prod(data[1:]))
+    params = sum(int(np.prod(p.shape)) for p in net.collect_params().values())
+    return params, int(macs)

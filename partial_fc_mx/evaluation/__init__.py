@@ -1,0 +1,1 @@
+"""Verification of face embeddings on pairs (insightface .bin sets)."""

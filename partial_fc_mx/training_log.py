@@ -1,0 +1,70 @@
+"""What rank 0 tells the user while training: training.log lines in the reference's
+format, a tqdm bar on a terminal, and TensorBoard event files (tensorboardX)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+
+from tensorboardX import SummaryWriter
+from tqdm import tqdm
+
+
+class TrainingLog:
+    def __init__(self, work_dir: Path, enabled: bool, total_steps: int, global_batch: int,
+                 frequent: int, first_step: int = 0) -> None:
+        self.enabled, self.total_steps = enabled, total_steps
+        self.global_batch, self.frequent = global_batch, frequent
+        self.logger = logging.getLogger("partial_fc_mx.train")
+        self.logger.propagate = False
+        self.logger.setLevel(logging.INFO)
+        self._losses: list[float] = []
+        self._tic, self._tic_step = time.time(), first_step
+        self.bar = self.writer = None
+        if not enabled:
+            return
+        formatter = logging.Formatter("%(asctime)s %(message)s")
+        for handler in (logging.FileHandler(work_dir / "training.log"),
+                        logging.StreamHandler(sys.stdout)):
+            handler.setFormatter(formatter)
+            self.logger.addHandler(handler)
+        self.writer = SummaryWriter(str(work_dir / "tensorboard"))
+        if sys.stderr.isatty():
+            self.bar = tqdm(total=total_steps, initial=first_step, unit="step")
+
+    def info(self, message: str) -> None:
+        if self.enabled:
+            self.logger.info(message)
+
+    def step(self, step: int, epoch: int, loss: float, lr: float, loss_scale: float) -> None:
+        """Called after every step (`step` = steps done); writes every `frequent` steps."""
+        self._losses.append(loss)
+        if self.bar is not None:
+            self.bar.update(1)
+        if step % self.frequent and step != self.total_steps:
+            return
+        elapsed = time.time() - self._tic
+        done = step - self._tic_step
+        speed = done * self.global_batch / max(elapsed, 1e-9)
+        required = (self.total_steps - step) * elapsed / max(done, 1) / 3600
+        mean_loss = sum(self._losses) / len(self._losses)
+        self.info(f"Speed {speed:.2f} samples/sec   Loss {mean_loss:.4f}   "
+                  f"LearningRate {lr:.6f}   Epoch: {epoch}   Global Step: {step}   "
+                  f"Required: {required:.1f} hours")
+        self.scalars(step, {"loss": mean_loss, "learning_rate": lr, "speed": speed,
+                            "loss_scale": loss_scale})
+        self._losses, self._tic, self._tic_step = [], time.time(), step
+
+    def scalars(self, step: int, values: dict) -> None:
+        if self.writer is not None:
+            for name, value in values.items():
+                self.writer.add_scalar(name, value, step)
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.writer is not None:
+            self.writer.close()
