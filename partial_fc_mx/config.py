@@ -28,7 +28,8 @@ class ConfigError(ValueError):
 class Config:
     # --- data ---
     rec: str = ""
-    """Directory holding train.rec, train.idx and property (insightface layout)."""
+    """Directory holding train.rec, train.idx and property (insightface layout), or
+    "random" for random tensors without decoding (speed runs)."""
     num_classes: int = 0
     num_image: int = 0
     """Images in the training set; 0 means count them from train.idx."""

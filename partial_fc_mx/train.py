@@ -24,7 +24,7 @@ from . import checkpoint, dist
 from .backbones import get_model
 from .checkpoint import TrainState
 from .config import Config
-from .data.loader import Batch, FaceLoader, in_step
+from .data.loader import Batch, FaceLoader, RandomLoader, in_step
 from .data.recordio import RecordDataset
 from .evaluation.baseline import eigenfaces_accuracy
 from .evaluation.verification import load_bin, verify
@@ -72,10 +72,7 @@ def train(config: Config, resume_from: str | None = None, load_from: str | None 
     work_dir = Path(config.output)
     if world.is_main:
         work_dir.mkdir(parents=True, exist_ok=True)
-    dataset = RecordDataset(config.rec, config.num_classes)
-    loader = FaceLoader(dataset, config.batch_size, rank=world.rank, world_size=world.size,
-                        seed=config.seed, num_workers=config.num_workers,
-                        skip_corrupt=config.skip_corrupt)
+    dataset, loader = make_loader(config, world)
     total_steps = config.max_steps or config.num_epoch * len(loader)
     net = build_backbone(config, ctx)
     pfc = PartialFC(config.num_classes, config.embedding_size, rank=world.rank,
@@ -95,8 +92,8 @@ def train(config: Config, resume_from: str | None = None, load_from: str | None 
     scaler = LossScaler(dynamic=config.fp16, scale=state.loss_scale if resume_from else 2.0**16)
     log = TrainingLog(work_dir, world.is_main, total_steps, config.batch_size * world.size,
                       config.frequent, first_step=state.step)
-    log.info(f"training {config.network} on {config.rec}: {len(dataset)} images, "
-             f"{config.num_classes} classes, {world.size} processes on {ctx}, "
+    log.info(f"training {config.network} on {config.rec}: {config.num_classes} classes, "
+             f"{world.size} processes on {ctx}, "
              f"{len(loader)} steps per epoch, {total_steps} steps"
              + (f", resumed at step {state.step}" if state.step else ""))
     validation = [load_bin(p) for p in config.val_paths()] if world.is_main else []
@@ -146,6 +143,20 @@ def train(config: Config, resume_from: str | None = None, load_from: str | None 
         log.close()
 
 
+def make_loader(config: Config, world: dist.World) -> tuple:
+    """(dataset, loader); rec = "random" feeds random tensors (speed runs, no dataset)."""
+    if config.rec == "random":
+        global_batch = config.batch_size * world.size
+        steps = max(1, config.num_image // global_batch) if config.num_image else 1000
+        return None, RandomLoader(config.batch_size, config.num_classes, steps,
+                                  seed=config.seed + world.rank)
+    dataset = RecordDataset(config.rec, config.num_classes)
+    return dataset, FaceLoader(dataset, config.batch_size, rank=world.rank,
+                               world_size=world.size, seed=config.seed,
+                               num_workers=config.num_workers,
+                               skip_corrupt=config.skip_corrupt)
+
+
 def train_step(net, pfc: PartialFC, trainer, batch: Batch, lr: float, config: Config,
                scaler: LossScaler, world: dist.World, ctx: mx.Context) -> float:
     images = mx.nd.array(batch.images, ctx=ctx)
@@ -190,9 +201,9 @@ def evaluate(net, validation: list, ctx: mx.Context, log: TrainingLog, step: int
 
 
 def final_report(net, validation: list, ctx: mx.Context, log: TrainingLog, step: int,
-                 dataset: RecordDataset, config: Config) -> None:
+                 dataset: RecordDataset | None, config: Config) -> None:
     results = evaluate(net, validation, ctx, log, step)
-    if not config.report_baseline:
+    if not config.report_baseline or dataset is None:
         return
     sample = FaceLoader(dataset, min(len(dataset), 2000), mirror=False, seed=0)
     train_images = next(iter(sample.epoch(0))).images
