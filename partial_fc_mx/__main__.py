@@ -51,6 +51,20 @@ def build_parser() -> argparse.ArgumentParser:
     model = commands.add_parser("model", help="parameter count and FLOPs of a backbone")
     model.add_argument("network", help="r18, r34, r50, r100, r200, mobilefacenet or tiny")
     model.add_argument("--embedding-size", type=int, default=512)
+    evaluate = commands.add_parser("eval", help="verification accuracy of a trained backbone")
+    evaluate.add_argument("--model", required=True, help="a work dir, or a backbone.onnx")
+    evaluate.add_argument("--bin", nargs="+", required=True, help="insightface .bin sets")
+    export = commands.add_parser("export", help="write WORK_DIR/backbone.onnx and check it "
+                                                "against MXNet")
+    export.add_argument("work_dir")
+    onnx_check = commands.add_parser("check-onnx", help="competition-style checks of an "
+                                                        "ONNX backbone")
+    onnx_check.add_argument("onnx")
+    onnx_check.add_argument("--runs", type=int, default=20)
+    onnx_check.add_argument("--max-mb", type=float, default=0.0, help="size budget")
+    onnx_check.add_argument("--max-ms", type=float, default=0.0, help="latency budget")
+    plot = commands.add_parser("plot", help="PNG curves from WORK_DIR/training.log")
+    plot.add_argument("work_dir")
     inspect = commands.add_parser("inspect", help="counts, header consistency, corrupt records")
     inspect.add_argument("directory")
     inspect.add_argument("--scan", action="store_true", help="decode every image")
@@ -161,12 +175,53 @@ def data_command(args: argparse.Namespace) -> int:
                                  args.pairs, args.seed)
         print(f"{args.out}: {made.train.images} images of {made.train.classes} identities; "
               f"synthetic_heldout.bin: {made.pairs} pairs of {made.heldout_classes} others")
-    else:
+    elif args.command == "inspect":
         from .data.inspect import format_report, inspect_dataset
 
         report = inspect_dataset(args.directory, scan=args.scan)
         print(format_report(args.directory, report))
         return 1 if report.problems else 0
+    else:
+        return model_file_command(args)
+    return 0
+
+
+def model_file_command(args: argparse.Namespace) -> int:
+    """eval, export, check-onnx, plot: commands on what training wrote."""
+    if args.command == "plot":
+        from .plot import plot_work_dir
+
+        for path in plot_work_dir(args.work_dir):
+            print(f"wrote {path}")
+        return 0
+    from . import export
+
+    if args.command == "export":
+        path = export.export_onnx(args.work_dir)
+        difference = export.parity(args.work_dir)
+        print(f"wrote {path}; max |MXNet - onnxruntime| on random inputs: {difference:.2e}")
+        return 0 if difference <= 1e-4 else 1
+    if args.command == "check-onnx":
+        report = export.check_onnx(args.onnx, args.runs, args.max_mb, args.max_ms)
+        print(f"{args.onnx}: input {report.input_shape}, output {report.output_shape}, "
+              f"{report.size_mb:.1f} MB, median latency {report.latency_ms:.2f} ms "
+              f"(batch 1, onnxruntime CPU, {args.runs} runs)")
+        for warning in report.warnings:
+            print(f"WARNING: {warning}")
+        return 1 if report.warnings else 0
+    from .evaluation.verification import load_bin, mxnet_forward, onnx_forward, verify
+
+    if args.model.endswith(".onnx"):
+        forward = onnx_forward(export.onnx_session(args.model))
+    else:
+        import mxnet as mx
+
+        forward = mxnet_forward(export.load_backbone(args.model), mx.cpu())
+    for path in args.bin:
+        result = verify(forward, load_bin(path))
+        tars = "".join(f"  TAR@FAR={far:g}: {tar:.4f}" for far, tar in result.tar_at_far.items())
+        print(f"{path}: accuracy {result.accuracy:.5f} +- {result.std:.5f} "
+              f"(threshold {result.threshold:.3f}){tars}")
     return 0
 
 

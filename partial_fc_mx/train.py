@@ -27,7 +27,8 @@ from .config import Config
 from .data.loader import Batch, FaceLoader, RandomLoader, in_step
 from .data.recordio import RecordDataset
 from .evaluation.baseline import eigenfaces_accuracy
-from .evaluation.verification import load_bin, verify
+from .evaluation.verification import load_bin, mxnet_forward, verify
+from .export import export_onnx
 from .partial_fc import PartialFC
 from .precision import LossScaler, to_float16
 from .schedule import learning_rate
@@ -97,8 +98,9 @@ def train(config: Config, resume_from: str | None = None, load_from: str | None 
              f"{len(loader)} steps per epoch, {total_steps} steps"
              + (f", resumed at step {state.step}" if state.step else ""))
     validation = [load_bin(p) for p in config.val_paths()] if world.is_main else []
+    best: dict = {}
     if validation and state.step == 0:
-        evaluate(net, validation, ctx, log, 0)  # the untrained model: what training adds
+        evaluate(net, validation, ctx, log, 0, work_dir, best)  # what training adds
     stop = StopRequest()
     warmup = config.warmup_epoch * len(loader)
     faulthandler.enable()
@@ -118,10 +120,11 @@ def train(config: Config, resume_from: str | None = None, load_from: str | None 
                         "without saving. The last good checkpoint is untouched: lower lr or "
                         "set clip_grad, then resume with --resume-from")
                 log.step(state.step, state.epoch, loss, lr, scaler.scale)
-                if world.is_main and validation and state.step % config.verbose == 0:
-                    evaluate(net, validation, ctx, log, state.step)
+                done = state.step >= total_steps  # the last step is evaluated at the end
+                if world.is_main and validation and state.step % config.verbose == 0 \
+                        and not done:
+                    evaluate(net, validation, ctx, log, state.step, work_dir, best)
                 stopping = dist.any_rank(stop.signal is not None, name="stop")
-                done = state.step >= total_steps
                 if stopping or done or (config.save_every and
                                         state.step % config.save_every == 0):
                     save(work_dir, state, net, trainer, pfc, world, config, scaler, log)
@@ -136,7 +139,7 @@ def train(config: Config, resume_from: str | None = None, load_from: str | None 
                 if not config.save_every and state.step < total_steps:
                     save(work_dir, state, net, trainer, pfc, world, config, scaler, log)
         if world.is_main and validation:
-            final_report(net, validation, ctx, log, state.step, dataset, config)
+            final_report(net, validation, ctx, log, state.step, dataset, config, best)
         return 0
     finally:
         faulthandler.cancel_dump_traceback_later()
@@ -186,23 +189,34 @@ def save(work_dir: Path, state: TrainState, net, trainer, pfc: PartialFC, world:
     state.loss_scale = scaler.scale
     start = time.time()
     path = checkpoint.save(work_dir, state, net, trainer, pfc, world, config.keep_checkpoints)
-    log.info(f"saved checkpoint {path} in {time.time() - start:.1f} s")
+    if world.is_main:
+        onnx_path = export_onnx(work_dir)
+        log.info(f"saved checkpoint {path} and {onnx_path} in {time.time() - start:.1f} s")
 
 
-def evaluate(net, validation: list, ctx: mx.Context, log: TrainingLog, step: int) -> dict:
+def evaluate(net, validation: list, ctx: mx.Context, log: TrainingLog, step: int,
+             work_dir: Path, best: dict) -> dict:
+    """Log every set's accuracy; export the backbone as backbone-best-* whenever the
+    mean accuracy over the sets beats the best so far (`best` keeps it)."""
     results = {}
     for dataset in validation:
-        result = verify(net, dataset, ctx)
+        result = verify(mxnet_forward(net, ctx), dataset)
         results[dataset.name] = result
         log.info(f"[{dataset.name}][{step}]Accuracy-Flip: {result.accuracy:.5f}"
                  f"+-{result.std:.5f}")
         log.scalars(step, {f"verification/{dataset.name}": result.accuracy})
+    mean = sum(r.accuracy for r in results.values()) / len(results)
+    if step > 0 and mean > best.get("accuracy", -1.0):
+        best.update(accuracy=mean, step=step)
+        net.export(str(work_dir / "backbone-best"), epoch=0)
+        log.info(f"best mean verification accuracy so far: {mean:.5f} at step {step}; "
+                 f"saved {work_dir}/backbone-best-*")
     return results
 
 
 def final_report(net, validation: list, ctx: mx.Context, log: TrainingLog, step: int,
-                 dataset: RecordDataset | None, config: Config) -> None:
-    results = evaluate(net, validation, ctx, log, step)
+                 dataset: RecordDataset | None, config: Config, best: dict) -> None:
+    results = evaluate(net, validation, ctx, log, step, Path(config.output), best)
     if not config.report_baseline or dataset is None:
         return
     sample = FaceLoader(dataset, min(len(dataset), 2000), mirror=False, seed=0)

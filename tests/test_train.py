@@ -70,6 +70,18 @@ def test_two_processes_learn_and_verify_better_on_unseen_identities(tmp_path, sy
     assert list((work / "tensorboard").glob("events.out.tfevents.*"))
     assert re.search(r"Speed [\d.]+ samples/sec   Loss [\d.]+   LearningRate [\d.]+   "
                      r"Epoch: \d+   Global Step: \d+   Required: [\d.]+ hours", log["text"])
+    assert (work / "backbone.onnx").is_file() and (work / "backbone-best-symbol.json").is_file()
+    # the eval command on what training left reproduces the final logged accuracy
+    heldout = str(synthetic / "synthetic_heldout.bin")
+    for model, tolerance in ((work, 0.0), (work / "backbone.onnx", 0.005)):
+        evaluated = run(python_module("eval", "--model", str(model), "--bin", heldout))
+        assert evaluated.returncode == 0, evaluated.stdout[-2000:]
+        accuracy = float(re.search(r"accuracy ([\d.]+) \+-", evaluated.stdout).group(1))
+        assert abs(accuracy - after) <= tolerance, (model, accuracy, after)
+    plots = run(python_module("plot", str(work)))
+    assert plots.returncode == 0, plots.stdout
+    for name in ("loss", "learning_rate", "speed", "verification"):
+        assert (work / "plots" / f"{name}.png").stat().st_size > 5000
 
 
 def test_resumed_run_repeats_the_uninterrupted_losses(tmp_path, synthetic):

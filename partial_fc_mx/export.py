@@ -1,0 +1,117 @@
+"""backbone.onnx: export with a dynamic batch, parity with MXNet, competition checks.
+
+Face recognition competitions take submissions as backbone.onnx with a
+1 x 3 x 112 x 112 float input and one embedding output; `check_onnx` reports what
+their helper checks (shapes, file size, latency) and warns past a budget.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mxnet as mx
+import numpy as np
+import onnx
+
+from .data.recordio import DataError
+
+SYMBOL, PARAMS = "backbone-symbol.json", "backbone-0000.params"
+
+
+def load_backbone(work_dir: str | os.PathLike, ctx: mx.Context | None = None):
+    """The exported backbone of a work dir, as a Gluon block."""
+    work_dir = Path(work_dir)
+    for name in (SYMBOL, PARAMS):
+        if not (work_dir / name).is_file():
+            raise DataError(f"{work_dir} has no {name}: not a work dir with a saved backbone "
+                            "(training writes it at every checkpoint)")
+    return mx.gluon.SymbolBlock.imports(str(work_dir / SYMBOL), ["data"],
+                                        str(work_dir / PARAMS), ctx=ctx or mx.cpu())
+
+
+def export_onnx(work_dir: str | os.PathLike) -> Path:
+    """Write work_dir/backbone.onnx (batch dimension dynamic) atomically; validate it."""
+    work_dir = Path(work_dir)
+    load_backbone(work_dir)  # the clear error when the files are missing
+    tmp = work_dir / ".backbone.onnx.partial"
+    mx.onnx.export_model(str(work_dir / SYMBOL), str(work_dir / PARAMS),
+                         in_shapes=[(1, 3, 112, 112)], in_types=[np.float32],
+                         onnx_file_path=str(tmp), dynamic=True,
+                         dynamic_input_shapes=[(None, 3, 112, 112)])
+    model = onnx.load(str(tmp))
+    # MXNet's exporter also lists the weights as graph inputs; onnxruntime then cannot
+    # fold them as constants, and checkers see many inputs instead of one
+    weights = {init.name for init in model.graph.initializer}
+    for graph_input in [i for i in model.graph.input if i.name in weights]:
+        model.graph.input.remove(graph_input)
+    onnx.checker.check_model(model)
+    onnx.save(model, str(tmp))
+    final = work_dir / "backbone.onnx"
+    os.replace(tmp, final)
+    return final
+
+
+def onnx_session(path: str | os.PathLike):
+    import onnxruntime
+
+    if not Path(path).is_file():
+        raise DataError(f"ONNX file {path} does not exist")
+    try:
+        return onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    except Exception as error:
+        raise DataError(f"{path} is not a loadable ONNX model: {error}") from error
+
+
+def parity(work_dir: str | os.PathLike, batch: int = 4, seed: int = 0) -> float:
+    """Max |MXNet - onnxruntime| on the same random inputs (float32)."""
+    x = np.random.default_rng(seed).standard_normal((batch, 3, 112, 112), dtype=np.float32)
+    expected = load_backbone(work_dir)(mx.nd.array(x)).asnumpy()
+    session = onnx_session(Path(work_dir) / "backbone.onnx")
+    got = session.run(None, {session.get_inputs()[0].name: x})[0]
+    return float(np.abs(got - expected).max())
+
+
+@dataclass
+class OnnxReport:
+    input_shape: list
+    output_shape: list
+    size_mb: float
+    latency_ms: float
+    warnings: list = field(default_factory=list)
+
+
+def check_onnx(path: str | os.PathLike, runs: int = 20, max_mb: float = 0.0,
+               max_ms: float = 0.0) -> OnnxReport:
+    """Input 1x3x112x112 float32 -> one embedding; size; median latency of `runs`."""
+    session = onnx_session(path)
+    inputs = session.get_inputs()
+    if len(inputs) != 1:
+        raise DataError(f"{path} has {len(inputs)} inputs; a face backbone takes one image "
+                        "tensor")
+    shape = inputs[0].shape
+    fixed = [d for d in shape[1:]]
+    if len(shape) != 4 or fixed != [3, 112, 112] or inputs[0].type != "tensor(float)":
+        raise DataError(f"{path} takes {inputs[0].type} of shape {shape}; expected float "
+                        "N x 3 x 112 x 112")
+    x = np.random.default_rng(0).standard_normal((1, 3, 112, 112), dtype=np.float32)
+    name = inputs[0].name
+    output = session.run(None, {name: x})[0]
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        session.run(None, {name: x})
+        times.append(time.perf_counter() - start)
+    report = OnnxReport(list(shape), list(output.shape), Path(path).stat().st_size / 2**20,
+                        1e3 * statistics.median(times))
+    if output.ndim != 2 or output.shape[0] != 1:
+        report.warnings.append(f"output shape {list(output.shape)} is not 1 x embedding_size")
+    if max_mb and report.size_mb > max_mb:
+        report.warnings.append(f"size {report.size_mb:.1f} MB exceeds the budget {max_mb} MB")
+    if max_ms and report.latency_ms > max_ms:
+        report.warnings.append(f"latency {report.latency_ms:.2f} ms exceeds the budget "
+                               f"{max_ms} ms")
+    return report

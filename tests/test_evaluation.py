@@ -1,0 +1,136 @@
+"""Verification math, .bin reading, ONNX export/parity/checks, and their errors."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import mxnet as mx
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from partial_fc_mx.backbones import get_model
+from partial_fc_mx.data.recordio import DataError
+from partial_fc_mx.data.transforms import encode_jpeg
+from partial_fc_mx.evaluation.verification import (
+    best_threshold,
+    embed,
+    load_bin,
+    tar_at_far,
+    ten_fold_accuracy,
+)
+from partial_fc_mx.export import check_onnx, export_onnx, load_backbone, onnx_session, parity
+
+
+def test_known_accuracy_from_constructed_similarities():
+    rng = np.random.default_rng(0)
+    issame = np.array([True, False] * 100)
+    similarity = np.where(issame, rng.uniform(0.6, 1.0, 200), rng.uniform(-0.2, 0.4, 200))
+    assert ten_fold_accuracy(similarity, issame).accuracy == 1.0
+    flipped = np.flatnonzero(issame)[::10]  # 10 genuine pairs made to look like strangers
+    similarity[flipped] = 0.0
+    result = ten_fold_accuracy(similarity, issame)
+    assert result.accuracy == pytest.approx(0.95) and 0.4 <= result.threshold <= 0.6
+
+
+def test_threshold_is_the_best_cut_and_folds_never_see_their_own_pairs():
+    rng = np.random.default_rng(1)
+    similarity, issame = rng.normal(size=300), rng.random(300) < 0.5
+    brute = max(np.unique(np.concatenate([similarity - 1e-9, similarity + 1e-9])),
+                key=lambda t: np.sum((similarity > t) == issame))
+    cut = best_threshold(similarity, issame)
+    assert np.sum((similarity > cut) == issame) == np.sum((similarity > brute) == issame)
+    folds = np.array_split(np.arange(300), 10)
+    expected = np.mean([np.mean((similarity[f] > best_threshold(
+        np.delete(similarity, f), np.delete(issame, f))) == issame[f]) for f in folds])
+    assert ten_fold_accuracy(similarity, issame).accuracy == pytest.approx(expected)
+
+
+def test_tar_at_far_counts_and_refuses_unresolvable_rates():
+    impostors = np.linspace(0, 0.5, 2000)
+    genuine = np.linspace(0.49, 1.0, 1000)
+    similarity = np.concatenate([impostors, genuine])
+    issame = np.concatenate([np.zeros(2000, bool), np.ones(1000, bool)])
+    threshold = np.sort(impostors)[::-1][2]  # 2 impostors above = FAR 1e-3
+    assert tar_at_far(similarity, issame, 1e-3) == pytest.approx(np.mean(genuine > threshold))
+    assert tar_at_far(similarity, issame, 1e-4) is None  # needs 10,000 impostor pairs
+    assert set(ten_fold_accuracy(similarity, issame).tar_at_far) == {1e-3}
+
+
+def test_embeddings_sum_the_mirror_image_and_are_normalized():
+    images = np.zeros((2, 3, 112, 112), np.float32)
+    images[:, :, :, 0] = 1.0  # a bright left column; its mirror is bright on the right
+    forward = lambda b: np.stack([b[:, 0, 0, 0], b[:, 0, 0, -1]], axis=1)  # noqa: E731
+    np.testing.assert_allclose(embed(forward, images), np.full((2, 2), 2 ** -0.5))
+
+
+def write_bin(path: Path, images: list, issame: list) -> Path:
+    path.write_bytes(pickle.dumps((images, issame)))
+    return path
+
+
+def test_bin_files_are_read_and_bad_ones_named(tmp_path):
+    face = encode_jpeg(np.full((112, 112, 3), 128, np.uint8))
+    good = load_bin(write_bin(tmp_path / "good.bin", [face] * 4, [True, False]))
+    assert good.images.shape == (4, 3, 112, 112) and good.issame.tolist() == [True, False]
+    (tmp_path / "text.bin").write_text("hello")
+    with pytest.raises(DataError, match=r"text\.bin is not an insightface \.bin"):
+        load_bin(tmp_path / "text.bin")
+    with pytest.raises(DataError, match=r"odd\.bin holds 3 images for 2 pairs"):
+        load_bin(write_bin(tmp_path / "odd.bin", [face] * 3, [True, False]))
+    with pytest.raises(DataError, match=r"broken\.bin: image 1 cannot be decoded"):
+        load_bin(write_bin(tmp_path / "broken.bin", [face, b"junk"], [True]))
+
+
+@pytest.fixture(scope="module")
+def work_dir(tmp_path_factory) -> Path:
+    """A real backbone exported as training does (net.export) and as ONNX."""
+    directory = tmp_path_factory.mktemp("work")
+    net = get_model("tiny", embedding_size=64)
+    net.initialize(mx.init.Xavier())
+    net.hybridize()
+    with mx.autograd.record():  # some BatchNorm statistics that are not the defaults
+        net(mx.nd.random.normal(shape=(8, 3, 112, 112)))
+    net.export(str(directory / "backbone"), epoch=0)
+    export_onnx(directory)
+    return directory
+
+
+def test_onnx_matches_mxnet_with_a_dynamic_batch(work_dir):
+    assert parity(work_dir) <= 1e-4
+    model = onnx.load(str(work_dir / "backbone.onnx"))
+    onnx.checker.check_model(model)
+    assert len(model.graph.input) == 1  # weights are initializers, not inputs
+    session = onnx_session(work_dir / "backbone.onnx")
+    x = np.random.default_rng(0).standard_normal((3, 3, 112, 112), dtype=np.float32)
+    out = session.run(None, {session.get_inputs()[0].name: x})[0]
+    expected = load_backbone(work_dir)(mx.nd.array(x)).asnumpy()
+    assert out.shape == (3, 64) and np.abs(out - expected).max() <= 1e-4
+
+
+def test_checker_reports_the_figures_and_budgets(work_dir):
+    path = work_dir / "backbone.onnx"
+    report = check_onnx(path, runs=5)
+    assert report.output_shape == [1, 64] and report.input_shape[1:] == [3, 112, 112]
+    assert report.size_mb == pytest.approx(path.stat().st_size / 2**20)
+    assert report.latency_ms > 0 and report.warnings == []
+    strict = check_onnx(path, runs=5, max_mb=0.001, max_ms=1e-6)
+    assert len(strict.warnings) == 2 and "exceeds the budget 0.001 MB" in strict.warnings[0]
+
+
+def test_wrong_onnx_input_and_missing_backbone_are_clear_errors(tmp_path):
+    graph = helper.make_graph(
+        [helper.make_node("Flatten", ["x"], ["y"])], "small",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 64, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3 * 64 * 64])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]),
+              str(tmp_path / "small.onnx"))
+    with pytest.raises(DataError, match=r"takes tensor\(float\) of shape \[1, 3, 64, 64\]; "
+                                        "expected float N x 3 x 112 x 112"):
+        check_onnx(tmp_path / "small.onnx")
+    with pytest.raises(DataError, match="has no backbone-symbol.json: not a work dir"):
+        export_onnx(tmp_path)
+    with pytest.raises(DataError, match="does not exist"):
+        onnx_session(tmp_path / "none.onnx")
