@@ -60,6 +60,8 @@ class Config:
     batch_size: int = 128
     """Per process."""
     optimizer: str = "sgd"
+    """The backbone's: "sgd" (with momentum) or "adamw" (decoupled weight decay; try
+    lr=0.001, weight_decay=0.1). The class centers always use sparse SGD + momentum."""
     lr: float = 0.1
     center_lr_scale: float = 1.0
     """The class centers' learning rate is lr * center_lr_scale."""
@@ -105,8 +107,8 @@ class Config:
             problems.append(f"margin_list={self.margin_list} must be (m1, m2, m3)")
         if self.batch_size <= 0:
             problems.append("batch_size must be > 0")
-        if self.optimizer != "sgd":
-            problems.append(f"optimizer={self.optimizer!r}: only 'sgd' is available")
+        if self.optimizer not in ("sgd", "adamw"):
+            problems.append(f"optimizer={self.optimizer!r} must be 'sgd' or 'adamw'")
         if self.lr <= 0:
             problems.append("lr must be > 0")
         if self.num_epoch <= 0:

@@ -20,7 +20,7 @@ import horovod.mxnet as hvd
 import mxnet as mx
 import numpy as np
 
-from . import checkpoint, dist
+from . import checkpoint, dist, optimizers  # noqa: F401  (registers adamw)
 from .backbones import get_model
 from .checkpoint import TrainState
 from .config import Config
@@ -81,9 +81,11 @@ def train(config: Config, resume_from: str | None = None, load_from: str | None 
                     margin=tuple(config.margin_list), scale=config.scale,
                     momentum=config.momentum, weight_decay=config.weight_decay,
                     fp16_centers=config.fp16_centers, seed=config.seed)
-    trainer = hvd.DistributedTrainer(
-        net.collect_params(), "sgd", {"learning_rate": config.lr, "momentum": config.momentum,
-                                      "wd": config.weight_decay, "multi_precision": config.fp16})
+    options = {"learning_rate": config.lr, "wd": config.weight_decay,
+               "multi_precision": config.fp16}
+    if config.optimizer == "sgd":
+        options["momentum"] = config.momentum
+    trainer = hvd.DistributedTrainer(net.collect_params(), config.optimizer, options)
     state = TrainState()
     if resume_from:
         state = checkpoint.resume(checkpoint.latest(resume_from), net, trainer, pfc, world, ctx)

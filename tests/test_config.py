@@ -58,7 +58,7 @@ def test_unknown_keys_are_rejected_with_a_suggestion(tmp_path):
     ("sample_rate=1.5", "sample_rate=1.5 must be in"),
     ("num_classes=0", "num_classes must be > 0"),
     ("margin_list=(1.0, 0.5)", "must be .m1, m2, m3."),
-    ("optimizer='adam'", "only 'sgd' is available"),
+    ("optimizer='adam'", "'sgd' or 'adamw'"),
     ("keep_checkpoints=0", "keep_checkpoints must be >= 1"),
 ])
 def test_invalid_values_are_rejected(tmp_path, override, message):

@@ -1,6 +1,7 @@
-"""Learning-rate schedules and the dynamic loss scaler."""
+"""Learning-rate schedules, the dynamic loss scaler and AdamW."""
 
 import mxnet as mx
+import numpy as np
 import pytest
 
 from partial_fc_mx.precision import LossScaler, PrecisionError, to_float16
@@ -35,3 +36,21 @@ def test_loss_scaler_halves_on_overflow_and_grows_after_clean_steps():
 def test_float16_is_refused_on_cpu_with_the_reason():
     with pytest.raises(PrecisionError, match="fp16=True needs a GPU.*FP16 gemm on cpu"):
         to_float16(None, mx.cpu())
+
+
+def test_adamw_matches_the_decoupled_update_rule():
+    from partial_fc_mx.optimizers import AdamW
+
+    rng = np.random.default_rng(0)
+    w0 = rng.normal(size=5)
+    grads = [rng.normal(size=5) for _ in range(3)]
+    optimizer = AdamW(learning_rate=0.01, wd=0.1, beta1=0.9, beta2=0.999, epsilon=1e-8)
+    weight = mx.nd.array(w0, dtype="float64")
+    state = optimizer.create_state(0, weight)
+    w, m, v = w0.copy(), np.zeros(5), np.zeros(5)
+    for t, g in enumerate(grads, 1):
+        optimizer.update(0, weight, mx.nd.array(g, dtype="float64"), state)
+        m, v = 0.9 * m + 0.1 * g, 0.999 * v + 0.001 * g * g
+        correction = np.sqrt(1 - 0.999**t) / (1 - 0.9**t)
+        w = w - 0.01 * (correction * m / (np.sqrt(v) + 1e-8) + 0.1 * w)
+    np.testing.assert_allclose(weight.asnumpy(), w, rtol=1e-5)  # betas are float32 inside
