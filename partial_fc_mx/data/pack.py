@@ -8,7 +8,6 @@ the end, so an interrupted pack never leaves a half-written dataset in place.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -21,7 +20,6 @@ import numpy as np
 from .recordio import DataError
 from .transforms import FACE_SIZE, center_square, encode_jpeg
 
-log = logging.getLogger(__name__)
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".pgm", ".ppm", ".webp", ".tif", ".tiff"}
 
 
