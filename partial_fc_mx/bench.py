@@ -31,7 +31,7 @@ from . import dist
 from .data.loader import FaceLoader
 from .data.recordio import RecordDataset
 from .data.synthetic import prepare_synthetic
-from .partial_fc import PartialFC, estimate_memory
+from .partial_fc import PartialFC, estimate_memory, shard_of
 
 MiB = 1024**2
 
@@ -92,7 +92,7 @@ def numpy_sgemm_gflops(rows: int, cols: int, depth: int, alone: bool, repeats: i
 def bench_pfc_config(world: dist.World, ctx: mx.Context, num_classes: int, args) -> dict:
     """Median step time, phase split and memory for one class count."""
     sample_rate = args.sample_rate
-    shard_rows = num_classes // world.size + (world.rank < num_classes % world.size)
+    shard_rows = shard_of(num_classes, world.rank, world.size).count
     if args.num_sample:
         sample_rate = min(1.0, (args.num_sample + 0.5) / shard_rows)
     rss_before = psutil.Process().memory_info().rss

@@ -24,7 +24,7 @@ import psutil
 from . import dist
 from .config import Config
 from .data.recordio import DataError, RecordDataset
-from .partial_fc import estimate_memory
+from .partial_fc import MemoryEstimate, estimate_memory
 
 GiB = 1024**3
 
@@ -39,6 +39,7 @@ class RankInfo:
     host: str
     device: str
     free_memory: int
+    memory_need: MemoryEstimate
     problems: list
 
 
@@ -46,13 +47,17 @@ def run_check(config: Config) -> int:
     """Print the report on rank 0; return the exit code every rank should use."""
     world = dist.init()
     ctx = dist.device(world.local_rank)
+    need = estimate_memory(
+        config.num_classes, config.embedding_size, world.size, world.rank, config.sample_rate,
+        config.batch_size * world.size, config.fp16_centers,
+    )
     info = RankInfo(
         world.rank, world.local_rank, world.local_size, socket.gethostname(), str(ctx),
-        free_memory(ctx, world.local_size), [],
+        free_memory(ctx, world.local_size), need, [],
     )
     info.problems += check_gpu_driver()
     info.problems += check_dataset(config)
-    info.problems += check_memory(config, world, info.free_memory)
+    info.problems += check_memory(need, info.free_memory)
     everyone = dist.allgather_object(info, name="preflight")
     problems = [f"rank {i.rank} ({i.host}): {p}" for i in everyone for p in i.problems]
     problems = deduplicate_across_ranks(problems)
@@ -134,11 +139,7 @@ def check_dataset(config: Config) -> list[str]:
     return problems
 
 
-def check_memory(config: Config, world: dist.World, available: int) -> list[str]:
-    need = estimate_memory(
-        config.num_classes, config.embedding_size, world.size, world.rank, config.sample_rate,
-        config.batch_size * world.size, config.fp16_centers,
-    )
+def check_memory(need: MemoryEstimate, available: int) -> list[str]:
     if need.total <= available:
         return []
     return [f"Partial FC needs {need.total / GiB:.1f} GiB per process (centers and momentum "
@@ -163,8 +164,7 @@ def print_report(config: Config, ranks: list[RankInfo]) -> None:
               f"device {r.device}, free memory {r.free_memory / GiB:.1f} GiB")
     print(f"data: {config.rec or '(not set)'}, {config.num_classes} classes, "
           f"val_targets {[str(p) for p in config.val_paths()]}")
-    need = estimate_memory(config.num_classes, config.embedding_size, len(ranks), 0,
-                           config.sample_rate, config.batch_size * len(ranks), config.fp16_centers)
+    need = ranks[0].memory_need
     print(f"Partial FC memory on rank 0: centers+momentum {need.centers / GiB:.3f} GiB, "
           f"per step {need.working / GiB:.3f} GiB")
 

@@ -93,8 +93,7 @@ def check_onnx(path: str | os.PathLike, runs: int = 20, max_mb: float = 0.0,
         raise DataError(f"{path} has {len(inputs)} inputs; a face backbone takes one image "
                         "tensor")
     shape = inputs[0].shape
-    fixed = [d for d in shape[1:]]
-    if len(shape) != 4 or fixed != [3, 112, 112] or inputs[0].type != "tensor(float)":
+    if len(shape) != 4 or list(shape[1:]) != [3, 112, 112] or inputs[0].type != "tensor(float)":
         raise DataError(f"{path} takes {inputs[0].type} of shape {shape}; expected float "
                         "N x 3 x 112 x 112")
     x = np.random.default_rng(0).standard_normal((1, 3, 112, 112), dtype=np.float32)

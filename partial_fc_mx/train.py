@@ -141,7 +141,8 @@ def train(config: Config, resume_from: str | None = None, load_from: str | None 
                 if not config.save_every and state.step < total_steps:
                     save(work_dir, state, net, trainer, pfc, world, config, scaler, log)
         if world.is_main and validation:
-            final_report(net, validation, ctx, log, state.step, dataset, config, best)
+            final_report(net, validation, ctx, log, state.step, dataset, config, work_dir,
+                         best)
         return 0
     finally:
         faulthandler.cancel_dump_traceback_later()
@@ -217,8 +218,9 @@ def evaluate(net, validation: list, ctx: mx.Context, log: TrainingLog, step: int
 
 
 def final_report(net, validation: list, ctx: mx.Context, log: TrainingLog, step: int,
-                 dataset: RecordDataset | None, config: Config, best: dict) -> None:
-    results = evaluate(net, validation, ctx, log, step, Path(config.output), best)
+                 dataset: RecordDataset | None, config: Config, work_dir: Path,
+                 best: dict) -> None:
+    results = evaluate(net, validation, ctx, log, step, work_dir, best)
     if not config.report_baseline or dataset is None:
         return
     sample = FaceLoader(dataset, min(len(dataset), 2000), mirror=False, seed=0)

@@ -21,9 +21,13 @@ def run(cmd: list[str], timeout: float = 300, env: dict | None = None,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
+def mpirun_command(np: int, args: list[str]) -> list[str]:
+    return ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(np),
+            "-x", "PATH", "-x", "PYTHONUNBUFFERED", *args]
+
+
 def mpirun(np: int, args: list[str], **kwargs) -> subprocess.CompletedProcess:
-    return run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(np),
-                "-x", "PATH", "-x", "PYTHONUNBUFFERED", *args], **kwargs)
+    return run(mpirun_command(np, args), **kwargs)
 
 
 def horovodrun_gloo(np: int, args: list[str], **kwargs) -> subprocess.CompletedProcess:

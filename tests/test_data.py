@@ -125,7 +125,8 @@ def test_batches_decode_normalize_and_mirror(tmp_path):
     gray = rng.integers(0, 255, (112, 112), dtype=np.uint8)
     ok, png = cv2.imencode(".png", gray)
     samples = [(0, png.tobytes()), (1, encode_jpeg(random_face(rng, (100, 90))))]
-    dataset = RecordDataset(Path(write_records(tmp_path / "rec", samples, 2) and tmp_path / "rec"))
+    write_records(tmp_path / "rec", samples, 2)
+    dataset = RecordDataset(tmp_path / "rec")
     loader = FaceLoader(dataset, 2, mirror=False, seed=0)
     batch = next(loader.epoch(0))
     assert batch.images.shape == (2, 3, 112, 112) and batch.images.dtype == np.float32

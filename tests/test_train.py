@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 import mxnet as mx
 import numpy as np
 import pytest
-from conftest import REPO, horovodrun_gloo, mpirun, python_module, run
+from conftest import REPO, horovodrun_gloo, mpirun, mpirun_command, python_module, run
 
 from partial_fc_mx.backbones import get_model
 from partial_fc_mx.backbones.summary import count_flops
@@ -138,8 +139,9 @@ def rank_pids(pattern: str) -> list[int]:
 
 
 def start_and_wait(args: list[str], work: Path, steps: int = 2) -> subprocess.Popen:
-    process = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, text=True,
+                               stderr=subprocess.STDOUT,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.time() + 180
     while time.time() < deadline:
         log = work / "training.log"
@@ -150,15 +152,10 @@ def start_and_wait(args: list[str], work: Path, steps: int = 2) -> subprocess.Po
     raise AssertionError(f"training did not reach step {steps}: {process.stdout.read()}")
 
 
-def mpirun_args(np_: int, args: list[str]) -> list[str]:
-    return ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(np_),
-            "-x", "PATH", *args]
-
-
 def test_a_killed_rank_ends_the_job_within_a_minute(tmp_path, synthetic):
     config = config_file(tmp_path, synthetic, num_epoch=1000)
     work = tmp_path / "killed"
-    job = start_and_wait(mpirun_args(2, train_args(config, work)), work)
+    job = start_and_wait(mpirun_command(2, train_args(config, work)), work)
     victims = rank_pids(f"partial_fc_mx train {config}")
     assert len(victims) == 2
     start = time.time()
@@ -173,7 +170,7 @@ def test_a_killed_rank_ends_the_job_within_a_minute(tmp_path, synthetic):
 def test_sigterm_to_one_rank_saves_a_checkpoint_on_all(tmp_path, synthetic):
     config = config_file(tmp_path, synthetic, num_epoch=1000)
     work = tmp_path / "term"
-    job = start_and_wait(mpirun_args(2, train_args(config, work)), work)
+    job = start_and_wait(mpirun_command(2, train_args(config, work)), work)
     ranks = rank_pids(f"partial_fc_mx train {config}")
     subprocess.run(["kill", "-TERM", str(ranks[-1])])
     try:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import mxnet as mx
 import numpy as np
 
-from .recordio import RecordDataset
+from .recordio import RecordDataset, valid_class_ids
 from .transforms import decode_face
 
 
@@ -31,10 +31,22 @@ class InspectReport:
 
 def inspect_dataset(directory: str, scan: bool = False, workers: int = 4) -> InspectReport:
     dataset = RecordDataset(directory)
-    records = dataset.records
     report = InspectReport(images=len(dataset), has_header=dataset.has_header)
-    labels = np.array([records.read(int(i)).label for i in dataset.image_ids])
-    bad = (labels != np.floor(labels)) | (labels < 0) | (labels >= dataset.num_classes)
+
+    def examine(record_id) -> tuple:
+        """(label, decoded, resized) of one record: the file is read once per record."""
+        record = dataset.records.read(int(record_id))
+        if not scan:
+            return record.label, True, False
+        image, resized = decode_face(record.image)
+        return record.label, image is not None, resized
+
+    with ThreadPoolExecutor(workers) as pool:
+        examined = list(pool.map(examine, dataset.image_ids))
+    labels = np.array([label for label, _, _ in examined])
+    report.corrupt = [int(i) for i, (_, ok, _) in zip(dataset.image_ids, examined) if not ok]
+    report.resized = sum(resized for _, _, resized in examined)
+    bad = ~valid_class_ids(labels, dataset.num_classes)
     for record_id, label in zip(dataset.image_ids[bad][:10], labels[bad][:10]):
         report.problems.append(f"record {record_id}: label {label} outside 0.."
                                f"{dataset.num_classes - 1} (property says "
@@ -49,17 +61,9 @@ def inspect_dataset(directory: str, scan: bool = False, workers: int = 4) -> Ins
                                "property have images")
     if report.has_header:
         report.problems += identity_record_problems(dataset, labels)
-    if scan:
-        with ThreadPoolExecutor(workers) as pool:
-            decoded = pool.map(lambda i: (i, decode_face(records.read(int(i)).image)),
-                               dataset.image_ids)
-            for record_id, (image, resized) in decoded:
-                if image is None:
-                    report.corrupt.append(int(record_id))
-                report.resized += resized
-        if report.corrupt:
-            report.problems.append(f"{len(report.corrupt)} corrupt image(s), records "
-                                   f"{report.corrupt[:10]}")
+    if report.corrupt:
+        report.problems.append(f"{len(report.corrupt)} corrupt image(s), records "
+                               f"{report.corrupt[:10]}")
     return report
 
 

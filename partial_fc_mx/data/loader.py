@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import dist
-from .recordio import DataError, RecordDataset
+from .recordio import DataError, RecordDataset, valid_class_ids
 from .transforms import FACE_SIZE, decode_face, to_network_input
 
 log = logging.getLogger(__name__)
@@ -144,7 +144,7 @@ class FaceLoader:
             record_id = int(ids[row])
             record = self.dataset.records.read(record_id)
             label = record.label
-            if label != int(label) or not 0 <= label < self.dataset.num_classes:
+            if not valid_class_ids(label, self.dataset.num_classes):
                 raise DataError(f"{self.dataset.records.rec_path}: record {record_id} has label "
                                 f"{label}, outside the classes 0..{self.dataset.num_classes - 1}"
                                 ". Fix num_classes (and the property file) or re-pack")

@@ -30,6 +30,12 @@ class DataError(ValueError):
     """A dataset that cannot be used as it is; the message names the file and record."""
 
 
+def valid_class_ids(labels, num_classes: int):
+    """True where a label (float, as RecordIO stores it) is an integer in [0, num_classes)."""
+    labels = np.asarray(labels, np.float64)
+    return (labels == np.floor(labels)) & (labels >= 0) & (labels < num_classes)
+
+
 @dataclass(frozen=True)
 class Record:
     record_id: int
