@@ -46,6 +46,28 @@ def allgather_object(obj: object, name: str) -> list:
     return hvd.allgather_object(obj, name=name)
 
 
+def broadcast_parameters(params: dict, root_rank: int = 0) -> None:
+    """Overwrite every parameter, in place, with its value on `root_rank`.
+
+    An allreduce (sum) to which the other ranks contribute -0.0, instead of
+    hvd.broadcast_parameters: Horovod 0.28.1's EnqueueTensorBroadcast reads the
+    tensor's name after handing it to the background thread, which may already have
+    finished the broadcast and freed the name; the use-after-free crashed a resumed
+    2-process run in CI (SIGSEGV in EnqueueTensorBroadcast). Allreduce does not
+    touch the name after enqueueing, and x + (-0.0) = x for every float x, -0.0
+    included, so the values arrive bit for bit (a NaN stays a NaN).
+    """
+    if hvd.size() == 1:
+        return
+    for name, param in sorted(params.items()):
+        for index, array in enumerate(param.list_data()):
+            if hvd.rank() != root_rank:
+                # -0.0 (`array[:] = -0.0` would store +0.0)
+                mx.nd.negative(mx.nd.zeros_like(array), out=array)
+            hvd.allreduce_(array, op=hvd.Sum, name=f"broadcast.{name}.{index}")
+    mx.nd.waitall()
+
+
 def barrier(name: str) -> None:
     hvd.allreduce(mx.nd.zeros(1), name=f"barrier.{name}").wait_to_read()
 

@@ -54,7 +54,7 @@ class StopRequest:
 def build_backbone(config: Config, ctx: mx.Context):
     """Parameters get their shapes by shape inference, not by a forward pass: an
     inference-mode forward lets oneDNN reorder the weights in place into its blocked
-    layout, and the raw-byte writes of hvd.broadcast_parameters and load_parameters
+    layout, and the raw-byte writes of the parameter broadcast and load_parameters
     into such arrays corrupted them (crashes, MPI_ERR_TRUNCATE, hangs)."""
     net = get_model(config.network, config.embedding_size, config.dropout)
     net.initialize(mx.init.Xavier(rnd_type="gaussian", factor_type="out", magnitude=2),
@@ -91,7 +91,7 @@ def train(config: Config, resume_from: str | None = None, load_from: str | None 
         state = checkpoint.resume(checkpoint.latest(resume_from), net, trainer, pfc, world, ctx)
     elif load_from:
         checkpoint.load_weights(checkpoint.latest(load_from), net, pfc, ctx)
-    hvd.broadcast_parameters(net.collect_params(), root_rank=0)
+    dist.broadcast_parameters(net.collect_params(), root_rank=0)
     scaler = LossScaler(dynamic=config.fp16, scale=state.loss_scale if resume_from else 2.0**16)
     log = TrainingLog(work_dir, world.is_main, total_steps, config.batch_size * world.size,
                       config.frequent, first_step=state.step)
