@@ -30,9 +30,12 @@ def mpirun(np: int, args: list[str], **kwargs) -> subprocess.CompletedProcess:
     return run(mpirun_command(np, args), **kwargs)
 
 
+def horovodrun_gloo_command(np: int, args: list[str]) -> list[str]:
+    return [str(BIN / "horovodrun"), "-np", str(np), "-H", f"localhost:{np}", "--gloo", *args]
+
+
 def horovodrun_gloo(np: int, args: list[str], **kwargs) -> subprocess.CompletedProcess:
-    return run([str(BIN / "horovodrun"), "-np", str(np), "-H", f"localhost:{np}", "--gloo",
-                *args], **kwargs)
+    return run(horovodrun_gloo_command(np, args), **kwargs)
 
 
 def python_module(*args: str) -> list[str]:
