@@ -39,6 +39,7 @@ install_system_packages() {
   command -v mpicxx >/dev/null || missing+=(libopenmpi-dev)
   command -v cmake >/dev/null || missing+=(cmake)
   command -v g++ >/dev/null || missing+=(g++)
+  command -v gcc >/dev/null || missing+=(gcc)  # tests/test_dist.py builds a C shim
   command -v make >/dev/null || missing+=(make)
   [ ${#missing[@]} -eq 0 ] && return 0
   local sudo=
