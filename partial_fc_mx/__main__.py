@@ -88,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     from .data.recordio import DataError
 
     try:
+        if args.command in ("eval", "export", "check-onnx", "plot"):
+            return model_file_command(args)
         return data_command(args)
     except DataError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -150,6 +152,7 @@ def model_command(network: str, embedding_size: int) -> int:
 
 
 def data_command(args: argparse.Namespace) -> int:
+    """pack, pack-orl, pack-synthetic, inspect: commands that make or read datasets."""
     if args.command == "pack":
         from .data.pack import pack_folder, pack_list
 
@@ -175,14 +178,12 @@ def data_command(args: argparse.Namespace) -> int:
                                  args.pairs, args.seed)
         print(f"{args.out}: {made.train.images} images of {made.train.classes} identities; "
               f"synthetic_heldout.bin: {made.pairs} pairs of {made.heldout_classes} others")
-    elif args.command == "inspect":
+    else:  # inspect
         from .data.inspect import format_report, inspect_dataset
 
         report = inspect_dataset(args.directory, scan=args.scan)
         print(format_report(args.directory, report))
         return 1 if report.problems else 0
-    else:
-        return model_file_command(args)
     return 0
 
 

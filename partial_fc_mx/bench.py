@@ -28,7 +28,7 @@ import numpy as np
 import psutil
 
 from . import dist
-from .data.loader import FaceLoader
+from .data.loader import FaceLoader, WaitTimer
 from .data.recordio import RecordDataset
 from .data.synthetic import prepare_synthetic
 from .partial_fc import PartialFC, estimate_memory, shard_of
@@ -290,16 +290,12 @@ def run_data(args) -> None:
                   f"worker)   mx.io.ImageRecordIter {theirs_rate:7.0f} img/s   ratio "
                   f"{ours / theirs_rate:.2f}")
         loader = FaceLoader(dataset, args.batch_size, num_workers=args.workers, seed=0)
-        waited, start = 0.0, time.perf_counter()
-        batches_iter = iter(loader.epoch(0))
-        for _ in range(batches):
-            asked = time.perf_counter()
-            next(batches_iter)
-            waited += time.perf_counter() - asked
+        wait, start = WaitTimer(), time.perf_counter()
+        for _ in zip(range(batches), wait.timed(loader.epoch(0))):
             time.sleep(args.step_ms / 1000)  # an accelerator busy with the step: CPU idle
         total = time.perf_counter() - start
         print(f"data wait with {args.workers} workers while a {args.step_ms:.0f} ms step runs "
-              f"elsewhere (GPU-like: CPU free): {100 * waited / total:.1f}% of the time")
+              f"elsewhere (GPU-like: CPU free): {100 * wait.seconds / total:.1f}% of the time")
 
 
 def main(argv: list[str] | None = None) -> None:

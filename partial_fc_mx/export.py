@@ -18,27 +18,33 @@ import numpy as np
 import onnx
 
 from .data.recordio import DataError
+from .evaluation.verification import mxnet_forward, onnx_forward
 
 SYMBOL, PARAMS = "backbone-symbol.json", "backbone-0000.params"
 
 
-def load_backbone(work_dir: str | os.PathLike, ctx: mx.Context | None = None):
-    """The exported backbone of a work dir, as a Gluon block."""
+def backbone_files(work_dir: str | os.PathLike) -> tuple[str, str]:
+    """(symbol, params) of the backbone a work dir holds; a clear error when missing."""
     work_dir = Path(work_dir)
     for name in (SYMBOL, PARAMS):
         if not (work_dir / name).is_file():
             raise DataError(f"{work_dir} has no {name}: not a work dir with a saved backbone "
                             "(training writes it at every checkpoint)")
-    return mx.gluon.SymbolBlock.imports(str(work_dir / SYMBOL), ["data"],
-                                        str(work_dir / PARAMS), ctx=ctx or mx.cpu())
+    return str(work_dir / SYMBOL), str(work_dir / PARAMS)
+
+
+def load_backbone(work_dir: str | os.PathLike, ctx: mx.Context | None = None):
+    """The exported backbone of a work dir, as a Gluon block."""
+    symbol, params = backbone_files(work_dir)
+    return mx.gluon.SymbolBlock.imports(symbol, ["data"], params, ctx=ctx or mx.cpu())
 
 
 def export_onnx(work_dir: str | os.PathLike) -> Path:
     """Write work_dir/backbone.onnx (batch dimension dynamic) atomically; validate it."""
     work_dir = Path(work_dir)
-    load_backbone(work_dir)  # the clear error when the files are missing
+    symbol, params = backbone_files(work_dir)
     tmp = work_dir / ".backbone.onnx.partial"
-    mx.onnx.export_model(str(work_dir / SYMBOL), str(work_dir / PARAMS),
+    mx.onnx.export_model(symbol, params,
                          in_shapes=[(1, 3, 112, 112)], in_types=[np.float32],
                          onnx_file_path=str(tmp), dynamic=True,
                          dynamic_input_shapes=[(None, 3, 112, 112)])
@@ -69,9 +75,8 @@ def onnx_session(path: str | os.PathLike):
 def parity(work_dir: str | os.PathLike, batch: int = 4, seed: int = 0) -> float:
     """Max |MXNet - onnxruntime| on the same random inputs (float32)."""
     x = np.random.default_rng(seed).standard_normal((batch, 3, 112, 112), dtype=np.float32)
-    expected = load_backbone(work_dir)(mx.nd.array(x)).asnumpy()
-    session = onnx_session(Path(work_dir) / "backbone.onnx")
-    got = session.run(None, {session.get_inputs()[0].name: x})[0]
+    expected = mxnet_forward(load_backbone(work_dir), mx.cpu())(x)
+    got = onnx_forward(onnx_session(Path(work_dir) / "backbone.onnx"))(x)
     return float(np.abs(got - expected).max())
 
 
@@ -97,12 +102,12 @@ def check_onnx(path: str | os.PathLike, runs: int = 20, max_mb: float = 0.0,
         raise DataError(f"{path} takes {inputs[0].type} of shape {shape}; expected float "
                         "N x 3 x 112 x 112")
     x = np.random.default_rng(0).standard_normal((1, 3, 112, 112), dtype=np.float32)
-    name = inputs[0].name
-    output = session.run(None, {name: x})[0]
+    forward = onnx_forward(session)
+    output = forward(x)
     times = []
     for _ in range(runs):
         start = time.perf_counter()
-        session.run(None, {name: x})
+        forward(x)
         times.append(time.perf_counter() - start)
     report = OnnxReport(list(shape), list(output.shape), Path(path).stat().st_size / 2**20,
                         1e3 * statistics.median(times))

@@ -108,7 +108,7 @@ def train(config: Config, resume_from: str | None = None, load_from: str | None 
     faulthandler.enable()
     try:
         while state.step < total_steps:
-            batches = log.waiting(loader.epoch(state.epoch, state.step_in_epoch))
+            batches = log.data_wait.timed(loader.epoch(state.epoch, state.step_in_epoch))
             for batch in in_step(batches):
                 if config.stall_timeout:
                     faulthandler.dump_traceback_later(config.stall_timeout, exit=True)

@@ -6,11 +6,12 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from tensorboardX import SummaryWriter
 from tqdm import tqdm
+
+from .data.loader import WaitTimer
 
 
 class TrainingLog:
@@ -23,7 +24,7 @@ class TrainingLog:
         self.logger.setLevel(logging.INFO)
         self._losses: list[float] = []
         self._tic, self._tic_step = time.time(), first_step
-        self._data_seconds = 0.0
+        self.data_wait = WaitTimer()  # the trainer times its loader with it: DataWait
         self.bar = self.writer = None
         if not enabled:
             return
@@ -40,20 +41,6 @@ class TrainingLog:
         if self.enabled:
             self.logger.info(message)
 
-    def waiting(self, batches: Iterable) -> Iterator:
-        """The loader's batches, timing how long the trainer waits for each one. The
-        share of the time spent waiting, logged as DataWait, tells whether the data
-        pipeline rather than the network limits the speed."""
-        iterator = iter(batches)
-        while True:
-            tic = time.time()
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                return
-            self._data_seconds += time.time() - tic
-            yield batch
-
     def step(self, step: int, epoch: int, loss: float, lr: float, loss_scale: float) -> None:
         """Called after every step (`step` = steps done); writes every `frequent` steps."""
         self._losses.append(loss)
@@ -66,14 +53,14 @@ class TrainingLog:
         speed = done * self.global_batch / max(elapsed, 1e-9)
         required = (self.total_steps - step) * elapsed / max(done, 1) / 3600
         mean_loss = sum(self._losses) / len(self._losses)
-        data_wait = 100 * self._data_seconds / max(elapsed, 1e-9)
+        data_wait = 100 * self.data_wait.seconds / max(elapsed, 1e-9)
         self.info(f"Speed {speed:.2f} samples/sec   Loss {mean_loss:.4f}   "
                   f"LearningRate {lr:.6f}   Epoch: {epoch}   Global Step: {step}   "
                   f"Required: {required:.1f} hours   DataWait: {data_wait:.1f}%")
         self.scalars(step, {"loss": mean_loss, "learning_rate": lr, "speed": speed,
                             "loss_scale": loss_scale, "data_wait_percent": data_wait})
         self._losses, self._tic, self._tic_step = [], time.time(), step
-        self._data_seconds = 0.0
+        self.data_wait.seconds = 0.0
 
     def scalars(self, step: int, values: dict) -> None:
         if self.writer is not None:

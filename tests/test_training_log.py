@@ -23,7 +23,7 @@ def slow_batches(count: int, seconds: float):
 def test_the_log_says_how_much_of_a_step_waits_for_data(tmp_path, data_seconds, step_seconds,
                                                          low, high):
     log = TrainingLog(tmp_path, enabled=True, total_steps=6, global_batch=8, frequent=3)
-    for step, _ in enumerate(log.waiting(slow_batches(6, data_seconds)), start=1):
+    for step, _ in enumerate(log.data_wait.timed(slow_batches(6, data_seconds)), start=1):
         time.sleep(step_seconds)
         log.step(step, epoch=0, loss=1.0, lr=0.1, loss_scale=1.0)
     log.close()

@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -181,6 +182,25 @@ def in_step(batches: Iterator[Batch]) -> Iterator[Batch]:
         if batch is None:
             return
         yield batch
+
+
+class WaitTimer:
+    """Seconds a consumer spent waiting for the next batch. Their share of the wall
+    time tells whether the data pipeline, rather than the network, limits the speed."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def timed(self, batches: Iterable[Batch]) -> Iterator[Batch]:
+        iterator = iter(batches)
+        while True:
+            asked = time.perf_counter()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            self.seconds += time.perf_counter() - asked
+            yield batch
 
 
 class RandomLoader:

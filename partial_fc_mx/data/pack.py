@@ -32,17 +32,18 @@ class PackReport:
 
 
 def write_records(out_dir: str | os.PathLike, samples: Iterable[tuple[int, bytes]],
-                  num_classes: int) -> PackReport:
+                  num_classes: int, report: PackReport | None = None) -> PackReport:
     """Pack (label, encoded image) pairs, grouped by ascending label, into out_dir.
 
     Record 0 is the header (flag 2, label = (first identity record, end)); images
-    are records 1..N; then one record per class holding its image id range.
+    are records 1..N; then one record per class holding its image id range. The
+    counts go into `report` (where the sample source may note what it skipped).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tmp = {name: out / f".{name}.partial" for name in ("train.rec", "train.idx", "property")}
     writer = mx.recordio.MXIndexedRecordIO(str(tmp["train.idx"]), str(tmp["train.rec"]), "w")
-    report, ranges, previous = PackReport(), {}, -1
+    report, ranges, previous = report or PackReport(), {}, -1
     writer.write_idx(0, header_record(0, 0))  # rewritten in place once the counts are known
     for label, image in samples:
         if label < previous or not 0 <= label < num_classes:
@@ -110,15 +111,20 @@ def folder_samples(root: Path, crop: bool, report: PackReport) -> Iterator[tuple
             yield label, image
 
 
-def list_samples(lst: Path, root: Path, crop: bool,
-                 report: PackReport) -> Iterator[tuple[int, bytes]]:
-    """An im2rec .lst: `index<TAB>label<TAB>relative path` per line."""
+def read_list(lst: Path) -> list[tuple[int, str]]:
+    """An im2rec .lst, `index<TAB>label<TAB>relative path` per line: (label, path)."""
     entries = []
     for number, line in enumerate(lst.read_text().splitlines(), 1):
         fields = line.split("\t")
         if len(fields) < 3:
             raise DataError(f"{lst} line {number} is not 'index<TAB>label<TAB>path': {line!r}")
         entries.append((int(float(fields[1])), fields[-1]))
+    return entries
+
+
+def list_samples(entries: list[tuple[int, str]], root: Path, crop: bool,
+                 report: PackReport) -> Iterator[tuple[int, bytes]]:
+    """The pictures of a .lst's entries, by label; unusable files reported."""
     for label, relative in sorted(entries, key=lambda e: e[0]):
         image, why = encoded_face(root / relative, crop)
         if image is None:
@@ -134,9 +140,7 @@ def pack_folder(src: str | os.PathLike, out_dir: str | os.PathLike,
         raise DataError(f"{root} is not a folder of identity subfolders")
     report = PackReport()
     num_classes = sum(1 for p in root.iterdir() if p.is_dir())
-    packed = write_records(out_dir, folder_samples(root, crop, report), num_classes)
-    packed.skipped = report.skipped
-    return packed
+    return write_records(out_dir, folder_samples(root, crop, report), num_classes, report)
 
 
 def pack_list(lst: str | os.PathLike, root: str | os.PathLike, out_dir: str | os.PathLike,
@@ -144,8 +148,9 @@ def pack_list(lst: str | os.PathLike, root: str | os.PathLike, out_dir: str | os
     lst, root = Path(lst), Path(root)
     if not lst.is_file():
         raise DataError(f"list file {lst} does not exist")
-    labels = {int(float(line.split("\t")[1])) for line in lst.read_text().splitlines() if line}
+    entries = read_list(lst)
+    if not entries:
+        raise DataError(f"list file {lst} lists no images")
+    num_classes = max(label for label, _ in entries) + 1
     report = PackReport()
-    packed = write_records(out_dir, list_samples(lst, root, crop, report), max(labels) + 1)
-    packed.skipped = report.skipped
-    return packed
+    return write_records(out_dir, list_samples(entries, root, crop, report), num_classes, report)
