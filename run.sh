@@ -19,6 +19,12 @@ if [ "$CONFIG" = configs/orl.py ] && [ ! -f data/orl/train.rec ]; then
   .venv/bin/python -m partial_fc_mx pack-orl data/orl
 fi
 
+# Open MPI's daemons notice a lost host by TCP keepalives on their (idle) control
+# connections; its defaults take 8 minutes (300 s + 9 x 20 s). These take about a
+# minute, after which mpirun ends the job on every host.
+export OMPI_MCA_oob_tcp_keepalive_time=${OMPI_MCA_oob_tcp_keepalive_time:-30}
+export OMPI_MCA_oob_tcp_keepalive_intvl=${OMPI_MCA_oob_tcp_keepalive_intvl:-10}
+export OMPI_MCA_oob_tcp_keepalive_probes=${OMPI_MCA_oob_tcp_keepalive_probes:-3}
 launch=(mpirun -np "$NP" -bind-to none -map-by slot)
 if [ -n "$HOSTFILE" ]; then
   launch+=(--hostfile "$HOSTFILE")

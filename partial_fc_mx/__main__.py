@@ -9,6 +9,12 @@ import sys
 from .config import ConfigError, load_config
 
 
+def report(error: Exception) -> None:
+    """One write per message: under mpirun the ranks' lines then never interleave."""
+    sys.stderr.write(f"error: {error}\n")
+    sys.stderr.flush()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m partial_fc_mx")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -21,12 +27,12 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("overrides", nargs="*", metavar="key=value",
                              help="override config keys, e.g. sample_rate=0.1 batch_size=64")
         command.add_argument("--work-dir", help="output directory (overrides `output`)")
-        if name == "train":
-            command.add_argument("--resume-from", metavar="DIR",
-                                 help="a checkpoint, or a work dir (its newest checkpoint): "
-                                      "restore everything and continue")
-            command.add_argument("--load-from", metavar="DIR",
-                                 help="take the weights of a checkpoint, start at step 0")
+        resumes = "" if name == "train" else " (the preflight checks that it verifies)"
+        command.add_argument("--resume-from", metavar="DIR",
+                             help="a checkpoint, or a work dir (its newest checkpoint that "
+                                  f"verifies): restore everything and continue{resumes}")
+        command.add_argument("--load-from", metavar="DIR",
+                             help=f"take the weights of a checkpoint, start at step 0{resumes}")
 
     pack = commands.add_parser("pack", help="pack images into train.rec/train.idx/property",
                                description="SRC is a folder with one subfolder per identity, "
@@ -92,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             return model_file_command(args)
         return data_command(args)
     except DataError as error:
-        print(f"error: {error}", file=sys.stderr)
+        report(error)
         return 2
 
 
@@ -103,36 +109,31 @@ def config_command(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config, overrides)
     except ConfigError as error:
-        print(f"error: {error}", file=sys.stderr)
+        report(error)
         return 2
     if args.command == "check":
-        return check_command(config)
+        return check_command(config, args.resume_from or args.load_from)
     return train_command(config, args.resume_from, args.load_from)
 
 
 def train_command(config, resume_from: str | None, load_from: str | None) -> int:
-    from .checkpoint import CheckpointError
-    from .data.recordio import DataError
-    from .partial_fc import PartialFCInputError
-    from .precision import PrecisionError
-    from .train import TrainingError, train
+    from .train import USER_ERRORS, train
 
     try:
         return train(config, resume_from, load_from)
-    except (DataError, CheckpointError, PrecisionError, PartialFCInputError,
-            TrainingError) as error:
-        print(f"error: {error}", file=sys.stderr, flush=True)
+    except USER_ERRORS as error:
+        report(error)
         return 1
 
 
-def check_command(config) -> int:
+def check_command(config, checkpoint: str | None) -> int:
     try:
         from .check import run_check
     except ImportError as error:  # MXNet or Horovod's MXNet extension is missing
         print(f"PROBLEM: {error}; run `bash setup-utils/install.sh` (it builds Horovod "
               "with MXNet support)")
         return 1
-    return run_check(config)
+    return run_check(config, checkpoint)
 
 
 def model_command(network: str, embedding_size: int) -> int:
@@ -142,7 +143,7 @@ def model_command(network: str, embedding_size: int) -> int:
     try:
         net = get_model(network, embedding_size)
     except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
+        report(error)
         return 2
     net.initialize()
     params, macs = count_flops(net)
@@ -212,14 +213,15 @@ def model_file_command(args: argparse.Namespace) -> int:
         return 1 if report.warnings else 0
     from .evaluation.verification import load_bin, mxnet_forward, onnx_forward, verify
 
+    sets = {path: load_bin(path) for path in args.bin}  # bad files first: they are cheap
     if args.model.endswith(".onnx"):
         forward = onnx_forward(export.onnx_session(args.model))
     else:
         import mxnet as mx
 
         forward = mxnet_forward(export.load_backbone(args.model), mx.cpu())
-    for path in args.bin:
-        result = verify(forward, load_bin(path))
+    for path, pairs in sets.items():
+        result = verify(forward, pairs)
         tars = "".join(f"  TAR@FAR={far:g}: {tar:.4f}" for far, tar in result.tar_at_far.items())
         print(f"{path}: accuracy {result.accuracy:.5f} +- {result.std:.5f} "
               f"(threshold {result.threshold:.3f}){tars}")

@@ -27,7 +27,7 @@ import mxnet as mx
 import numpy as np
 import psutil
 
-from . import dist
+from . import dist, durable
 from .data.loader import FaceLoader, WaitTimer
 from .data.recordio import RecordDataset
 from .data.synthetic import prepare_synthetic
@@ -298,6 +298,34 @@ def run_data(args) -> None:
               f"elsewhere (GPU-like: CPU free): {100 * wait.seconds / total:.1f}% of the time")
 
 
+def run_save(args) -> None:
+    """A checkpoint shard written as checkpoint.save writes it (CRC-32 while writing,
+    fsync), next to a plain np.save that the page cache absorbs, in the same run."""
+    shard = np.random.default_rng(0).standard_normal((args.rows, args.embedding_size),
+                                                     np.float32)
+    with tempfile.TemporaryDirectory(dir=args.dir) as directory:
+        path = Path(directory) / "shard.npy"
+
+        def plain() -> None:
+            np.save(path, shard)
+
+        def durable_write() -> None:
+            durable.write_file(path, lambda f: np.save(f, shard))
+
+        def verify() -> None:
+            durable.file_record(path)
+
+        megabytes = shard.nbytes / 2**20
+        timings = {name: median_ms(run, args.repeats) for name, run in
+                   (("np.save", plain), ("checksummed + fsync", durable_write),
+                    ("verify (read back + CRC-32)", verify))}
+    print(f"one shard of {args.rows} x {args.embedding_size} float32 ({megabytes:.0f} MiB) "
+          f"in {args.dir or tempfile.gettempdir()}:")
+    for name, ms in timings.items():
+        print(f"  {name:28s} {ms:8.1f} ms  {megabytes / ms * 1e3:7.0f} MiB/s  "
+              f"{ms / timings['np.save']:.2f}x np.save")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m partial_fc_mx.bench")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -322,8 +350,13 @@ def main(argv: list[str] | None = None) -> None:
     data.add_argument("--per-class", type=int, default=20)
     data.add_argument("--step-ms", type=float, default=100.0,
                       help="simulated step time for the data-wait figure")
+    save = commands.add_parser("save", help="the cost of durable, checksummed checkpoint files")
+    save.add_argument("--rows", type=int, default=250_000)
+    save.add_argument("--embedding-size", type=int, default=512)
+    save.add_argument("--repeats", type=int, default=3)
+    save.add_argument("--dir", default=None, help="where to write (default: the temp dir)")
     args = parser.parse_args(argv)
-    {"pfc": run_pfc, "ops": run_ops, "data": run_data}[args.command](args)
+    {"pfc": run_pfc, "ops": run_ops, "data": run_data, "save": run_save}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -15,13 +15,15 @@ import os
 import re
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 import horovod
 import horovod.mxnet as hvd
 import mxnet as mx
 import psutil
 
-from . import dist
+from . import dist, workdir
+from .checkpoint import CheckpointError, find_resumable
 from .config import Config
 from .data.recordio import DataError, RecordDataset
 from .partial_fc import MemoryEstimate, estimate_memory
@@ -41,10 +43,13 @@ class RankInfo:
     free_memory: int
     memory_need: MemoryEstimate
     problems: list
+    dataset: dict | None = None
+    """The dataset's fingerprint (record count, train.idx size and checksum)."""
 
 
-def run_check(config: Config) -> int:
-    """Print the report on rank 0; return the exit code every rank should use."""
+def run_check(config: Config, checkpoint: str | None = None) -> int:
+    """Print the report on rank 0; return the exit code every rank should use.
+    `checkpoint`: what --resume-from/--load-from names, checked to verify."""
     world = dist.init()
     ctx = dist.device(world.local_rank)
     need = estimate_memory(
@@ -58,11 +63,24 @@ def run_check(config: Config) -> int:
     info.problems += check_gpu_driver()
     info.problems += check_dataset(config)
     info.problems += check_memory(need, info.free_memory)
+    info.dataset = dataset_fingerprint(config)
     everyone = dist.allgather_object(info, name="preflight")
     problems = [f"rank {i.rank} ({i.host}): {p}" for i in everyone for p in i.problems]
     problems = deduplicate_across_ranks(problems)
+    if world.size > 1:  # every rank takes part: it is a collective
+        problems += workdir.sharing_problems(Path(config.output), world)
+    if disagreement := dataset_disagreement([(i.rank, i.host, i.dataset) for i in everyone]):
+        problems.append(disagreement)
+    resumable = None
+    if checkpoint:
+        try:
+            resumable, notes = find_resumable(checkpoint, world)
+        except CheckpointError as error:
+            problems.append(str(error))
     if world.is_main:
         print_report(config, everyone)
+        if resumable:
+            print("\n".join([*notes, f"checkpoint: {resumable} verifies"]))
         for line in problems:
             print(f"PROBLEM: {line}")
         print(f"{len(problems)} problem(s) found" if problems else "OK: no problems found")
@@ -139,6 +157,32 @@ def check_dataset(config: Config) -> list[str]:
     return problems
 
 
+def dataset_fingerprint(config: Config) -> dict | None:
+    if config.rec == "random":
+        return None
+    try:
+        return RecordDataset(config.rec, config.num_classes).records.fingerprint()
+    except DataError:
+        return None  # reported by check_dataset
+
+
+def dataset_disagreement(copies: list[tuple[int, str, dict | None]]) -> str | None:
+    """One problem line when the ranks' copies of the dataset differ: they would
+    yield different numbers of batches and wait for each other in a collective."""
+    groups: dict[str, list[str]] = {}
+    for rank, host, fingerprint in copies:
+        if fingerprint is not None:
+            described = (f"{fingerprint['records']} records, train.idx of "
+                         f"{fingerprint['bytes']} bytes with CRC-32 {fingerprint['crc32']:08x}, "
+                         f"train.rec of {fingerprint['rec_bytes']} bytes")
+            groups.setdefault(described, []).append(f"{rank} ({host})")
+    if len(groups) < 2:
+        return None
+    return ("the ranks read different copies of the dataset: "
+            + "; ".join(f"rank(s) {', '.join(ranks)}: {what}" for what, ranks in groups.items())
+            + ". Copy the same train.rec and train.idx to every host")
+
+
 def check_memory(need: MemoryEstimate, available: int) -> list[str]:
     if need.total <= available:
         return []
@@ -164,6 +208,7 @@ def print_report(config: Config, ranks: list[RankInfo]) -> None:
               f"device {r.device}, free memory {r.free_memory / GiB:.1f} GiB")
     print(f"data: {config.rec or '(not set)'}, {config.num_classes} classes, "
           f"val_targets {[str(p) for p in config.val_paths()]}")
+    print(f"work_dir: {config.output} (must be one directory shared by every host)")
     need = ranks[0].memory_need
     print(f"Partial FC memory on rank 0: centers+momentum {need.centers / GiB:.3f} GiB, "
           f"per step {need.working / GiB:.3f} GiB")

@@ -1,99 +1,281 @@
-"""Checkpoints that survive crashes and changes of world size.
+"""Checkpoints that survive crashes, power loss and changes of world size.
 
     work_dir/checkpoints/step_000120/
-        meta.json                      step, epoch, world size, class count, shard ranges
+        meta.json                      progress, world size, class count, shard ranges,
+                                       and every file below with its size and CRC-32
         backbone.params                backbone weights and BatchNorm statistics
-        trainer.states                 the backbone optimizer's momentum
+        backbone_optimizer.npz         the backbone optimizer's state (no pickle)
         rank_{r}_softmax_weight.npy    rank r's class centers (rows start..stop of C x D)
         rank_{r}_softmax_weight_mom.npy  and their momentum
         rank_{r}_sampler.json          rank r's negative-sampling generator state
     work_dir/backbone-symbol.json, backbone-0000.params   the backbone for inference
 
-Every rank writes its files into `.step_000120.partial/`; after a barrier rank 0
-writes meta.json and renames the directory. A crash at any point leaves either no
-new checkpoint or a complete one, and never touches the previous ones. Resuming on
-another number of processes cuts each new rank's rows out of the old shards
-(memory-mapped, so no rank loads the whole matrix).
+Every rank checks that its weights are finite, writes and fsyncs its files into
+`.step_000120.partial/`, and reports their sizes and checksums; rank 0 writes
+meta.json, fsyncs the directory and renames it. A crash at any point leaves either
+no new checkpoint or a complete one, and never touches the previous ones. Every
+rank writes into the same directory: `work_dir` must be shared by all hosts
+(workdir.py checks it at start-up).
+
+Resuming takes the newest checkpoint that verifies (every listed file present,
+of its size and checksum), naming each one it skips and why. On another number
+of processes each new rank cuts its rows out of the old shards (memory-mapped, so
+no rank loads the whole matrix).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import re
 import shutil
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import mxnet as mx
 import numpy as np
 
-from . import dist
+from . import dist, durable
+from .optimizers import load_trainer_state, save_trainer_state
 from .partial_fc import PartialFC, shard_of
 
 CHECKPOINTS = "checkpoints"
+BACKBONE, OPTIMIZER, META = "backbone.params", "backbone_optimizer.npz", "meta.json"
+FORMAT = 2  # meta.json's "format": bumped when the layout above changes
 
 
 @dataclass
 class TrainState:
+    """Where a run stands: everything a resume needs besides the weights."""
+
     step: int = 0
-    """Optimizer steps done; the next step to run."""
+    """Optimizer steps done (names checkpoints; 'Global Step' in training.log)."""
     epoch: int = 0
-    step_in_epoch: int = 0
+    images_in_epoch: int = 0
+    """Images of this epoch's global order already trained on (all ranks together)."""
+    images_seen: int = 0
+    reference_batch: int = 0
+    """The global batch the run started with; max_steps and lr_steps count its steps."""
     loss_scale: float = 1.0
+    best_accuracy: float = -1.0
+    """Best mean verification accuracy so far (backbone-best-*), and its step."""
+    best_step: int = 0
+
+    def advance(self, global_batch: int, epoch_images: int, steps: int = 1) -> None:
+        """Count `steps` global batches as trained on; once no full global batch is
+        left in the epoch, move to the next one (the rest of this one is dropped)."""
+        self.images_seen += steps * global_batch
+        self.images_in_epoch += steps * global_batch
+        if epoch_images - self.images_in_epoch < global_batch:
+            self.epoch, self.images_in_epoch = self.epoch + 1, 0
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be used for this run; the message says why."""
+    """A checkpoint that cannot be written or used; the message says why."""
 
 
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def step_of(path: Path) -> int | None:
+    match = re.fullmatch(r"step_(\d+)", path.name)
+    return int(match.group(1)) if match else None
+
+
+def checkpoints(work_dir: str | os.PathLike) -> list[Path]:
+    """The checkpoint directories of a work dir, oldest first, by step number
+    (not by name: step_1000000 sorts before step_999000 as a string)."""
+    root = Path(work_dir) / CHECKPOINTS
+    found = [p for p in root.glob("step_*") if p.is_dir() and step_of(p) is not None]
+    return sorted(found, key=step_of)
+
+
+def rank_files(rank: int) -> list[str]:
+    return [f"rank_{rank}_softmax_weight.npy", f"rank_{rank}_softmax_weight_mom.npy",
+            f"rank_{rank}_sampler.json"]
+
+
+# ----- saving -----
 def save(work_dir: Path, state: TrainState, net, trainer, pfc: PartialFC,
          world: dist.World, keep: int) -> Path:
+    """Write a checkpoint of `state` on every rank; returns its directory."""
+    refuse_non_finite(net, pfc, state.step, work_dir)
     root = Path(work_dir) / CHECKPOINTS
-    name = f"step_{state.step:06d}"
+    name = checkpoint_name(state.step)
     partial = root / f".{name}.partial"
     if world.is_main:
-        shutil.rmtree(partial, ignore_errors=True)
+        remove_stale(root)
         partial.mkdir(parents=True)
     dist.barrier("checkpoint.start")
-    prefix = partial / f"rank_{world.rank}_softmax_weight"
-    np.save(f"{prefix}.npy", pfc.weight.asnumpy())
-    np.save(f"{prefix}_mom.npy", pfc.momentum.asnumpy())
-    (partial / f"rank_{world.rank}_sampler.json").write_text(
-        json.dumps(pfc.rng.bit_generator.state))
+    files, error = {}, None
+    try:
+        files = write_rank_files(partial, net, trainer, pfc, world)
+    except OSError as failure:
+        error = CheckpointError(f"could not write checkpoint {partial}: {failure}")
+    dist.raise_on_every_rank(error, name="checkpoint.written")
+    table = {}
+    for part in dist.allgather_object(files, name="checkpoint.files"):
+        table.update(part)
+    final, error = root / name, None
     if world.is_main:
-        net.save_parameters(str(partial / "backbone.params"))
-        trainer.save_states(str(partial / "trainer.states"))
-    dist.barrier("checkpoint.written")
-    final = root / name
-    if world.is_main:
-        meta = {**asdict(state), "world_size": world.size, "num_classes": pfc.num_classes,
-                "embedding_size": pfc.embedding_size,
-                "shards": [list(asdict(shard_of(pfc.num_classes, r, world.size)).values())
-                           for r in range(world.size)]}
-        (partial / "meta.json").write_text(json.dumps(meta, indent=1))
-        shutil.rmtree(final, ignore_errors=True)
-        partial.rename(final)
-        for old in sorted(root.glob("step_*"))[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-        net.export(str(Path(work_dir) / "backbone"), epoch=0)
-    dist.barrier("checkpoint.done")
+        try:
+            meta = {"format": FORMAT, **asdict(state), "world_size": world.size,
+                    "num_classes": pfc.num_classes, "embedding_size": pfc.embedding_size,
+                    "shards": [list(asdict(shard_of(pfc.num_classes, r, world.size)).values())
+                               for r in range(world.size)],
+                    "files": dict(sorted(table.items()))}
+            durable.write_file(partial / META, lambda f: f.write(json.dumps(meta, indent=1)
+                                                                 .encode()))
+            publish(partial, final)
+            for old in checkpoints(work_dir)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+            save_backbone(net, Path(work_dir) / "backbone")
+        except OSError as failure:
+            error = CheckpointError(f"could not finish checkpoint {final}: {failure}")
+    dist.raise_on_every_rank(error, name="checkpoint.done")
     return final
 
 
-def latest(path: Path) -> Path:
-    """`path` itself if it is a checkpoint, else the newest one in path/checkpoints."""
+def refuse_non_finite(net, pfc: PartialFC, step: int, work_dir: Path) -> None:
+    """Never save weights a diverging update made non-finite (the loss is checked
+    before the update, so it cannot catch them): every rank checks its copy of the
+    backbone and its shard of the centers; all ranks raise together."""
+    arrays = {f"backbone parameter {name}": param.data()
+              for name, param in net.collect_params().items()}
+    arrays.update({"class centers": pfc.weight, "class-center momentum": pfc.momentum})
+    values = list(arrays.values())
+    finite = bool(mx.nd.multi_all_finite(*values, num_arrays=len(values)).asscalar())
+    error = None
+    if not finite:
+        bad = [name for name, array in arrays.items()
+               if not mx.nd.multi_all_finite(array, num_arrays=1).asscalar()]
+        previous = checkpoints(work_dir)
+        kept = (f"the last good checkpoint, {previous[-1]}, is untouched: lower lr or set "
+                "clip_grad, then resume with --resume-from" if previous else
+                "no checkpoint was written before: lower lr or set clip_grad")
+        error = CheckpointError(
+            f"the weights became non-finite (NaN/Inf) at step {step}: {', '.join(bad[:4])}"
+            f"{f' and {len(bad) - 4} more' if len(bad) > 4 else ''}; not saving them; {kept}")
+    dist.raise_on_every_rank(error, name="checkpoint.finite")
+
+
+def write_rank_files(directory: Path, net, trainer, pfc: PartialFC,
+                     world: dist.World) -> dict:
+    """This rank's files, written and fsynced; {name: {"bytes", "crc32"}}."""
+    weight, momentum, sampler = rank_files(world.rank)
+    files = {
+        weight: durable.write_file(directory / weight,
+                                   lambda f: np.save(f, pfc.weight.asnumpy())),
+        momentum: durable.write_file(directory / momentum,
+                                     lambda f: np.save(f, pfc.momentum.asnumpy())),
+        sampler: durable.write_file(directory / sampler, lambda f: f.write(
+            json.dumps(pfc.rng.bit_generator.state).encode())),
+    }
+    if world.is_main:
+        files[BACKBONE] = durable.written_by(directory / BACKBONE, net.save_parameters)
+        files[OPTIMIZER] = durable.written_by(directory / OPTIMIZER,
+                                              lambda path: save_trainer_state(trainer, path))
+    return files
+
+
+def publish(partial: Path, final: Path) -> None:
+    """Rename the finished directory into place. Saving a step again (a resumed run
+    that stops where it started) moves the old copy aside first and removes it only
+    once the new one is in place."""
+    replaced = final.with_name(f".{final.name}.replaced")
+    if final.exists():
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.replace(final, replaced)
+    durable.replace(partial, final)
+    shutil.rmtree(replaced, ignore_errors=True)
+
+
+def remove_stale(root: Path) -> None:
+    """Leftovers of saves that were killed (each may hold a full copy of the centers)."""
+    for stale in [*root.glob(".step_*.partial"), *root.glob(".step_*.replaced")]:
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def set_aside_earlier_run(work_dir: Path) -> Path | None:
+    """A new run (no --resume-from) into a work dir that holds checkpoints moves them
+    to checkpoints-before-<time>/: its own saves would otherwise be pruned in favour
+    of the old run's higher steps, and a later resume would pick the old run."""
+    if not checkpoints(work_dir):
+        return None
+    aside = Path(work_dir) / f"{CHECKPOINTS}-before-{time.strftime('%Y%m%d-%H%M%S')}"
+    os.replace(Path(work_dir) / CHECKPOINTS, aside)
+    return aside
+
+
+def save_backbone(net, prefix: str | os.PathLike) -> None:
+    """`prefix`-symbol.json and `prefix`-0000.params for inference (net.export), each
+    written under a temporary name and renamed durably, so a crash never leaves a
+    half-written backbone behind a good name."""
+    prefix = Path(prefix)
+    tmp = prefix.with_name(f".{prefix.name}.partial")
+    net.export(str(tmp), epoch=0)
+    for suffix in ("-symbol.json", "-0000.params"):
+        durable.replace(f"{tmp}{suffix}", f"{prefix}{suffix}")
+
+
+# ----- verifying -----
+def verify(checkpoint: Path, rank: int = 0, world_size: int = 1) -> list[str]:
+    """What is wrong with a checkpoint, [] when nothing. Every rank checks every
+    file's size and the checksums of its share of the files (i % world_size)."""
+    try:
+        meta = json.loads((checkpoint / META).read_text())
+        files, saved_world = meta["files"], meta["world_size"]
+    except FileNotFoundError:
+        return [f"{checkpoint / META} is missing"]
+    except (ValueError, KeyError, TypeError) as error:
+        return [f"{checkpoint / META} is damaged or from an older version ({error!r})"]
+    expected = [BACKBONE, OPTIMIZER, *(n for r in range(saved_world) for n in rank_files(r))]
+    problems = [f"{checkpoint / name} is not listed in meta.json" for name in expected
+                if name not in files]
+    for i, (name, record) in enumerate(sorted(files.items())):
+        path = checkpoint / name
+        if not path.is_file():
+            problems.append(f"{path} is missing")
+        elif path.stat().st_size != record["bytes"]:
+            problems.append(f"{path} has {path.stat().st_size} bytes, meta.json says "
+                            f"{record['bytes']} (truncated?)")
+        elif i % world_size == rank and durable.file_record(path)["crc32"] != record["crc32"]:
+            problems.append(f"{path} does not match its checksum in meta.json (damaged)")
+    return problems
+
+
+def find_resumable(path: str | os.PathLike, world: dist.World) -> tuple[Path, list[str]]:
+    """The checkpoint to resume from and notes on those skipped, the same on every rank.
+
+    `path` is a checkpoint (it must verify) or a work dir: then the newest of its
+    checkpoints that verifies, skipping damaged ones (a save cut off by a power
+    loss, a truncated copy). Rank 0's listing is used by all ranks.
+    """
     path = Path(path)
-    if (path / "meta.json").is_file():
-        return path
-    found = sorted((path / CHECKPOINTS).glob("step_*"))
-    found = [p for p in found if (p / "meta.json").is_file()]
-    if not found:
-        raise CheckpointError(f"no checkpoint in {path} (looked for {path}/meta.json and "
-                              f"{path}/{CHECKPOINTS}/step_*/meta.json)")
-    return found[-1]
+    explicit = (path / META).exists() or step_of(path) is not None
+    candidates = dist.allgather_object(
+        [str(path)] if explicit else [str(p) for p in reversed(checkpoints(path))],
+        name="resume.candidates")[0]
+    notes = []
+    for candidate in map(Path, candidates):
+        problems = dist.allgather_object(verify(candidate, world.rank, world.size),
+                                         name="resume.verify")
+        problems = sorted({p for rank_problems in problems for p in rank_problems})
+        if not problems:
+            return candidate, notes
+        notes.append(f"skipped checkpoint {candidate}: {'; '.join(problems)}")
+    if not candidates:
+        raise CheckpointError(f"no checkpoint in {path} (looked for {path}/{META} and "
+                              f"{path}/{CHECKPOINTS}/step_*/{META})")
+    raise CheckpointError("no checkpoint verifies: " + " | ".join(notes))
 
 
+# ----- loading -----
 def read_meta(checkpoint: Path, pfc: PartialFC) -> dict:
-    meta = json.loads((checkpoint / "meta.json").read_text())
+    meta = json.loads((checkpoint / META).read_text())
     if (meta["num_classes"], meta["embedding_size"]) != (pfc.num_classes, pfc.embedding_size):
         raise CheckpointError(
             f"{checkpoint} holds {meta['num_classes']} x {meta['embedding_size']} class centers "
@@ -112,13 +294,28 @@ def load_centers(checkpoint: Path, meta: dict, pfc: PartialFC,
         if low >= high:
             continue
         rows = slice(low - start, high - start)
-        prefix = checkpoint / f"rank_{rank}_softmax_weight"
-        parts["weight"].append(np.load(f"{prefix}.npy", mmap_mode="r")[rows])
+        weight, momentum = rank_files(rank)[:2]
+        shape = (count, meta["embedding_size"])
+        parts["weight"].append(saved_rows(checkpoint / weight, shape)[rows])
         if with_momentum:
-            parts["mom"].append(np.load(f"{prefix}_mom.npy", mmap_mode="r")[rows])
+            parts["mom"].append(saved_rows(checkpoint / momentum, shape)[rows])
     weight = np.concatenate(parts["weight"])
     momentum = np.concatenate(parts["mom"]) if with_momentum else np.zeros_like(weight)
     pfc.load_shard(weight, momentum)
+
+
+def saved_rows(path: Path, shape: tuple) -> np.ndarray:
+    """A saved shard, memory-mapped: a float array of the shape meta.json records, or a
+    CheckpointError (never unpickled: .npy files can hold pickled objects)."""
+    try:
+        rows = np.load(path, mmap_mode="r", allow_pickle=False)
+    except ValueError as error:
+        raise CheckpointError(f"{path} holds no plain array of numbers ({error}); it is not "
+                              "a shard this program wrote") from error
+    if rows.dtype.kind != "f" or rows.shape != tuple(shape):
+        raise CheckpointError(f"{path} holds a {rows.dtype} array of shape {rows.shape}, "
+                              f"meta.json records {tuple(shape)} floats")
+    return rows
 
 
 def resume(checkpoint: Path, net, trainer, pfc: PartialFC, world: dist.World,
@@ -126,12 +323,12 @@ def resume(checkpoint: Path, net, trainer, pfc: PartialFC, world: dist.World,
     """Everything back as it was saved; the sampler continues its stream when the world
     size is unchanged, else each rank starts a fresh stream from (seed, rank, step)."""
     meta = read_meta(checkpoint, pfc)
-    net.load_parameters(str(checkpoint / "backbone.params"), ctx=ctx)
-    trainer.load_states(str(checkpoint / "trainer.states"))
+    net.load_parameters(str(checkpoint / BACKBONE), ctx=ctx)
+    load_trainer_state(trainer, checkpoint / OPTIMIZER, ctx)
     load_centers(checkpoint, meta, pfc, with_momentum=True)
-    state = TrainState(meta["step"], meta["epoch"], meta["step_in_epoch"], meta["loss_scale"])
-    sampler = checkpoint / f"rank_{world.rank}_sampler.json"
+    state = TrainState(**{f.name: meta[f.name] for f in dataclasses.fields(TrainState)})
     if meta["world_size"] == world.size:
+        sampler = checkpoint / rank_files(world.rank)[2]
         pfc.rng.bit_generator.state = json.loads(sampler.read_text())
     else:
         pfc.rng = np.random.default_rng([pfc.seed, world.rank, state.step])
@@ -141,5 +338,5 @@ def resume(checkpoint: Path, net, trainer, pfc: PartialFC, world: dist.World,
 def load_weights(checkpoint: Path, net, pfc: PartialFC, ctx: mx.Context) -> None:
     """--load-from: backbone and centers only; optimizer state and step start afresh."""
     meta = read_meta(checkpoint, pfc)
-    net.load_parameters(str(checkpoint / "backbone.params"), ctx=ctx)
+    net.load_parameters(str(checkpoint / BACKBONE), ctx=ctx)
     load_centers(checkpoint, meta, pfc, with_momentum=False)

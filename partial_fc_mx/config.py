@@ -24,6 +24,9 @@ class ConfigError(ValueError):
     """A config file or override that cannot be used; the message says how to fix it."""
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 @dataclass
 class Config:
     # --- data ---
@@ -95,32 +98,53 @@ class Config:
     """At the end, also score an eigenfaces (PCA) baseline on the val_targets."""
 
     def validate(self) -> None:
-        """Reject values that would fail later, far from their cause."""
-        problems = []
-        if self.num_classes <= 0:
-            problems.append("num_classes must be > 0 (the number of identities in the data)")
-        if self.embedding_size <= 0:
-            problems.append("embedding_size must be > 0")
+        """Reject values that would fail later, far from their cause, or on one rank."""
+        from .backbones import unknown_network
+        from .losses import margin_problem
+
+        positive = ("num_classes", "embedding_size", "batch_size", "lr", "num_epoch",
+                    "frequent", "verbose", "center_lr_scale")
+        problems = [f"{key} must be > 0 (got {getattr(self, key)!r})" for key in positive
+                    if not getattr(self, key) > 0]
+        not_negative = ("num_workers", "max_steps", "warmup_epoch", "save_every",
+                        "stall_timeout", "clip_grad", "momentum", "weight_decay", "num_image")
+        problems += [f"{key} must be >= 0 (got {getattr(self, key)!r})" for key in not_negative
+                     if not getattr(self, key) >= 0]
+        if self.keep_checkpoints < 1:
+            problems.append("keep_checkpoints must be >= 1")
+        if not self.lr < FLOAT32_MAX:
+            problems.append(f"lr={self.lr} is beyond float32 (the optimizers' precision)")
         if not 0.0 < self.sample_rate <= 1.0:
             problems.append(f"sample_rate={self.sample_rate} must be in (0, 1]")
         if len(self.margin_list) != 3:
             problems.append(f"margin_list={self.margin_list} must be (m1, m2, m3)")
-        if self.batch_size <= 0:
-            problems.append("batch_size must be > 0")
+        elif problem := margin_problem(*self.margin_list, self.scale):
+            problems.append(f"margin_list/scale: {problem}")
+        if problem := unknown_network(self.network):
+            problems.append(f"network: {problem}")
         if self.optimizer not in ("sgd", "adamw"):
             problems.append(f"optimizer={self.optimizer!r} must be 'sgd' or 'adamw'")
-        if self.lr <= 0:
-            problems.append("lr must be > 0")
-        if self.num_epoch <= 0:
-            problems.append("num_epoch must be > 0")
-        if self.num_workers < 0:
-            problems.append("num_workers must be >= 0")
-        if self.keep_checkpoints < 1:
-            problems.append("keep_checkpoints must be >= 1")
         if not 0 <= self.dropout < 1:
             problems.append(f"dropout={self.dropout} must be in [0, 1)")
+        if any(not isinstance(s, int) or s <= 0 for s in self.lr_steps):
+            problems.append(f"lr_steps={self.lr_steps} must be positive step counts")
         if problems:
             raise ConfigError("invalid config: " + "; ".join(problems))
+
+    def check_world_size(self, world_size: int) -> None:
+        """What only the number of processes decides; the same answer on every rank."""
+        from .partial_fc import num_sample
+
+        smallest_shard = self.num_classes // world_size
+        if smallest_shard == 0:
+            raise ConfigError(f"num_classes={self.num_classes} cannot be sharded over "
+                              f"{world_size} processes; use fewer processes")
+        if num_sample(smallest_shard, self.sample_rate) == 0:
+            need = 1 / smallest_shard
+            raise ConfigError(
+                f"sample_rate={self.sample_rate} samples 0 of the {smallest_shard} class "
+                f"centers a process holds ({self.num_classes} classes / {world_size} "
+                f"processes): no negatives would be scored. Use sample_rate >= {need:.3g}")
 
     def val_paths(self) -> list[Path]:
         """Paths of the verification sets, with bare names resolved inside `rec`."""

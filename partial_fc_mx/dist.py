@@ -72,20 +72,38 @@ def barrier(name: str) -> None:
     hvd.allreduce(mx.nd.zeros(1), name=f"barrier.{name}").wait_to_read()
 
 
+def sum_over_ranks(values: list[float], name: str) -> list[float]:
+    """Element-wise sums of every rank's `values` (a few flags or counts)."""
+    total = hvd.allreduce(mx.nd.array(values, dtype="float64"), op=hvd.Sum, name=name)
+    return total.asnumpy().tolist()
+
+
 def any_rank(flag: bool, name: str) -> bool:
     """True on every rank if `flag` is true on any rank."""
-    total = hvd.allreduce(mx.nd.array([float(flag)]), op=hvd.Sum, name=name)
-    return total.asscalar() > 0
+    return sum_over_ranks([float(flag)], name)[0] > 0
 
 
-def errors_on_any_rank(error: Exception | None, name: str) -> list[str]:
-    """Called by every rank at the same point: every rank's error message, if any.
+def raise_on_every_rank(error: Exception | None, name: str, failed: bool | None = None) -> None:
+    """Called by every rank at the same point: if any rank failed, every rank raises
+    the same error, of the first failing rank's type, with every failing rank's
+    message, so no rank is left waiting in the next collective.
 
-    One allreduce of a flag in the common case; the messages are gathered only when
-    some rank failed, so all ranks can stop together with the same report.
+    One allreduce of a flag in the common case (none when the caller already knows
+    `failed` from its own allreduce); the messages are gathered only on failure.
     """
-    if not any_rank(error is not None, name=f"{name}.failed"):
-        return []
-    message = None if error is None else str(error)
-    everyone = allgather_object(message, name=f"{name}.errors")
-    return [f"rank {rank}: {text}" for rank, text in enumerate(everyone) if text is not None]
+    if failed is None:
+        failed = any_rank(error is not None, name=f"{name}.failed")
+    if not failed:
+        return
+    mine = None if error is None else (type(error), str(error))
+    everyone = allgather_object(mine, name=f"{name}.errors")
+    kinds, ranks_of = [], {}
+    for rank, item in enumerate(everyone):
+        if item is not None:
+            kinds.append(item[0])
+            ranks_of.setdefault(item[1], []).append(str(rank))
+    if len(everyone) == 1:
+        raise kinds[0](mine[1])
+    message = "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}: {text}"
+                        for text, ranks in ranks_of.items())
+    raise kinds[0](message)

@@ -17,6 +17,7 @@ import mxnet as mx
 import numpy as np
 import onnx
 
+from . import durable
 from .data.recordio import DataError
 from .evaluation.verification import mxnet_forward, onnx_forward
 
@@ -57,7 +58,7 @@ def export_onnx(work_dir: str | os.PathLike) -> Path:
     onnx.checker.check_model(model)
     onnx.save(model, str(tmp))
     final = work_dir / "backbone.onnx"
-    os.replace(tmp, final)
+    durable.replace(tmp, final)
     return final
 
 

@@ -22,13 +22,18 @@ import mxnet as mx
 EDGE = 1e-6
 
 
+def margin_problem(m1: float, m2: float, m3: float, scale: float) -> str | None:
+    """Why (m1, m2, m3) with `scale` is not a usable margin, or None."""
+    if m1 >= 1 and 0 <= m2 < math.pi and 0 <= m3 < 2 and scale > 0:
+        return None
+    return (f"margin (m1={m1}, m2={m2}, m3={m3}), scale={scale}: need m1 >= 1, "
+            "0 <= m2 < pi, 0 <= m3 < 2, scale > 0 (ArcFace: 1, 0.5, 0; CosFace: 1, 0, 0.4)")
+
+
 class CombinedMargin:
     def __init__(self, m1: float, m2: float, m3: float, scale: float) -> None:
-        if m1 < 1 or not 0 <= m2 < math.pi or scale <= 0:
-            raise ValueError(
-                f"margin (m1={m1}, m2={m2}, m3={m3}), scale={scale}: need m1 >= 1, "
-                "0 <= m2 < pi, scale > 0 (ArcFace: 1, 0.5, 0; CosFace: 1, 0, 0.4)"
-            )
+        if problem := margin_problem(m1, m2, m3, scale):
+            raise ValueError(problem)
         self.m1, self.m2, self.m3, self.scale = m1, m2, m3, scale
         self.theta_max = (math.pi - m2) / m1
         self.additive_cosine = m1 == 1 and m2 == 0

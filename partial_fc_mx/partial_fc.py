@@ -100,7 +100,8 @@ class PartialFC:
         self.rng = np.random.default_rng([seed, rank])
         self.timer = timer or NoTimer()
         shape = (self.shard.count, embedding_size)
-        self.weight = mx.nd.random.normal(0, 0.01, shape, ctx=self.ctx, dtype=self.dtype)
+        self.weight = mx.nd.array(initial_centers(seed, self.shard, embedding_size),
+                                  ctx=self.ctx, dtype=self.dtype)
         self.momentum = mx.nd.zeros(shape, ctx=self.ctx, dtype=self.dtype)
         self._pending = None  # (index, sampled weights, their gradient) until step()
         self._last_rows = None  # shard rows sampled in the last step; None: all
@@ -124,16 +125,19 @@ class PartialFC:
         self.momentum = mx.nd.array(momentum, ctx=self.ctx, dtype=self.dtype)
 
     # ----- one step -----
-    def forward_backward(self, embeddings: mx.nd.NDArray, labels) -> tuple:
+    def forward_backward(self, embeddings: mx.nd.NDArray, labels,
+                         grad_scale: float = 1.0) -> tuple:
         """Loss over the global batch and the gradient for this rank's embeddings.
 
         Returns (loss, grad): loss an NDArray of shape (1,), the same on every rank;
-        grad shaped and typed like `embeddings`.
+        grad shaped and typed like `embeddings`, multiplied by `grad_scale` (the
+        loss scale of float16 training) in float32, before it is cast: scaling a
+        float16 gradient afterwards cannot bring back the values it flushed to zero.
         """
         with mx.autograd.pause():  # our own backward; never part of the caller's graph
-            return self._forward_backward(embeddings, labels)
+            return self._forward_backward(embeddings, labels, grad_scale)
 
-    def _forward_backward(self, embeddings: mx.nd.NDArray, labels) -> tuple:
+    def _forward_backward(self, embeddings: mx.nd.NDArray, labels, grad_scale: float) -> tuple:
         with self.timer.phase("communication"):
             batch = self._gather(embeddings, labels)
         with self.timer.phase("sampling"):
@@ -174,7 +178,7 @@ class PartialFC:
             grad_w -= mx.nd.broadcast_mul(w, per_row.reshape((-1, 1)))
             grad_x_hat = x_hat.grad
             grad_x = grad_x_hat - x_hat * (x_hat * grad_x_hat).sum(axis=1, keepdims=True)
-            grad_x = grad_x * x_norm_inv
+            grad_x = grad_x * (x_norm_inv * grad_scale)
         with self.timer.phase("communication"):
             grad_x = hvd.allreduce(grad_x, op=hvd.Sum, name="pfc.grad_x")
         self._pending = (index, w, grad_w)
@@ -364,6 +368,26 @@ def set_entries(matrix: mx.nd.NDArray, where: mx.nd.NDArray, values: mx.nd.NDArr
     """matrix[where[0], where[1]] = values, in place."""
     mx.nd._internal._scatter_set_nd(lhs=matrix, rhs=values, indices=where,
                                     shape=matrix.shape, out=matrix)
+
+
+CENTER_BLOCK = 4096
+"""Rows per random block of the initial centers."""
+
+
+def initial_centers(seed: int, shard: Shard, embedding_size: int) -> np.ndarray:
+    """N(0, 0.01) rows for the shard's classes, each drawn from a generator keyed by
+    (seed, block of the global class index): the same matrix on any number of
+    processes, and no two shards alike (seeding every rank alike would give equal
+    shards identical centers)."""
+    centers = np.empty((shard.count, embedding_size), np.float32)
+    for block in range(shard.start // CENTER_BLOCK, (shard.stop - 1) // CENTER_BLOCK + 1):
+        values = np.random.default_rng([seed, block]).standard_normal(
+            (CENTER_BLOCK, embedding_size), np.float32)
+        base = block * CENTER_BLOCK
+        low, high = max(base, shard.start), min(base + CENTER_BLOCK, shard.stop)
+        centers[low - shard.start:high - shard.start] = values[low - base:high - base]
+    centers *= 0.01
+    return centers
 
 
 def sample_excluding(rng: np.random.Generator, population: int, excluded: np.ndarray,

@@ -7,6 +7,11 @@ One process per GPU (or CPU slot). Per step:
   --> backbone update (SGD) and sparse update of the sampled centers.
 The loss is the mean over the global batch, so the true backbone gradient is the
 SUM of the ranks' gradients; Horovod averages, and the update rescales by W.
+
+Progress is kept in images (schedule.py), so a run resumed on another number of
+processes covers the same epochs with the same learning rate at each point.
+Anything that can go wrong on one rank only (a file, a bad value) is agreed on
+before the next collective, so every rank stops with the same message.
 """
 
 from __future__ import annotations
@@ -14,29 +19,38 @@ from __future__ import annotations
 import faulthandler
 import signal
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import horovod.mxnet as hvd
 import mxnet as mx
 import numpy as np
 
-from . import checkpoint, dist, optimizers  # noqa: F401  (registers adamw)
+from . import checkpoint, dist, workdir
 from .backbones import get_model
-from .checkpoint import TrainState
-from .config import Config
+from .check import dataset_disagreement
+from .checkpoint import CheckpointError, TrainState
+from .config import Config, ConfigError
 from .data.loader import Batch, FaceLoader, RandomLoader, in_step
-from .data.recordio import RecordDataset
+from .data.recordio import DataError, RecordDataset
 from .evaluation.baseline import eigenfaces_accuracy
 from .evaluation.verification import load_bin, mxnet_forward, verify
 from .export import export_onnx
-from .partial_fc import PartialFC
-from .precision import LossScaler, to_float16
-from .schedule import learning_rate
+from .optimizers import OptimizerStateError
+from .partial_fc import PartialFC, PartialFCInputError
+from .precision import LossScaler, PrecisionError, to_float16
+from .schedule import Plan
 from .training_log import TrainingLog
 
 
 class TrainingError(RuntimeError):
     """Training cannot go on (e.g. a non-finite loss); the message says why."""
+
+
+USER_ERRORS = (ConfigError, DataError, CheckpointError, OptimizerStateError, PrecisionError,
+               PartialFCInputError, TrainingError, workdir.WorkDirError)
+"""Errors caused by the input (files, values), reported as one message, not a traceback."""
 
 
 class StopRequest:
@@ -49,6 +63,163 @@ class StopRequest:
 
     def _handle(self, signum, frame) -> None:
         self.signal = signum
+
+
+@dataclass
+class Run:
+    """What one training process holds."""
+
+    config: Config
+    world: dist.World
+    ctx: mx.Context
+    work_dir: Path
+    dataset: RecordDataset | None
+    loader: FaceLoader | RandomLoader
+    net: mx.gluon.HybridBlock
+    pfc: PartialFC
+    trainer: mx.gluon.Trainer
+    validation: list
+    state: TrainState
+    plan: Plan
+    scaler: LossScaler
+    log: TrainingLog
+    accuracy: dict = field(default_factory=dict)
+    """The last verification accuracy of each set (rank 0)."""
+
+
+def train(config: Config, resume_from: str | None = None, load_from: str | None = None) -> int:
+    run = start(config, resume_from, load_from)
+    state, plan, log = run.state, run.plan, run.log
+    stop = StopRequest()
+    faulthandler.enable()
+    first_step = state.step
+    try:
+        for batch in batches_to_the_end(run):
+            watch(config.stall_timeout)
+            lr = plan.learning_rate(config.lr, plan.position(state.epoch, state.images_in_epoch))
+            mx.random.seed(config.seed + 7919 * state.step + run.world.rank)  # dropout, resumable
+            loss = train_step(run, batch, lr)
+            state.step += 1
+            state.advance(run.loader.global_batch, run.loader.num_images)
+            if not np.isfinite(loss):
+                raise TrainingError(
+                    f"the loss became {loss} at step {state.step} (lr {lr:g}); stopping "
+                    "without saving. The last good checkpoint is untouched: lower lr or "
+                    "set clip_grad, then resume with --resume-from")
+            done = plan.done(state.epoch, state.images_in_epoch)
+            log.step(state.step, state.epoch, loss, lr, run.scaler.scale, state.images_seen)
+            if run.validation and (state.step % config.verbose == 0 or done):
+                evaluate(run)  # before saving: the checkpoint keeps the best accuracy
+            stopping = dist.any_rank(stop.signal is not None, name="stop")
+            epoch_ended = state.images_in_epoch == 0 and not config.save_every
+            if stopping or done or epoch_ended or (config.save_every and
+                                                   state.step % config.save_every == 0):
+                save(run)
+            if stopping:
+                log.info(f"stopped by a signal at step {state.step}; resume with "
+                         f"--resume-from {run.work_dir}")
+                return 128 + (stop.signal or signal.SIGTERM)
+            if done:
+                break
+        watch(config.stall_timeout)  # the closing evaluation too
+        if state.step == first_step:
+            log.info(f"nothing left to train: step {state.step} is the end of the run")
+            if run.validation:
+                evaluate(run)
+        if run.validation and config.report_baseline:
+            report_baseline(run)
+        return 0
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        log.close()
+
+
+def watch(stall_timeout: int) -> None:
+    """(Re)start the stall watchdog: past `stall_timeout` seconds the process prints
+    every thread's stack and exits, so a rank stuck in a collective fails instead of
+    hanging, and its launcher ends the others."""
+    if stall_timeout:
+        faulthandler.dump_traceback_later(stall_timeout, exit=True)
+
+
+def batches_to_the_end(run: Run) -> Iterator[Batch]:
+    """Every batch from the run's position to its end, epoch after epoch; each epoch
+    starts where the state stands in it (a resumed run: mid-epoch)."""
+    while not run.plan.done(run.state.epoch, run.state.images_in_epoch):
+        epoch = run.loader.epoch(run.state.epoch, run.state.images_in_epoch)
+        yield from in_step(run.log.data_wait.timed(epoch))
+
+
+# ----- start-up -----
+def start(config: Config, resume_from: str | None, load_from: str | None) -> Run:
+    """Everything a run needs, with every rank failing together on bad input."""
+    world = dist.init()
+    ctx = dist.device(world.local_rank)
+    mx.random.seed(config.seed)
+    error = None
+    try:  # local work only: no collective until every rank has got through it
+        config.check_world_size(world.size)
+        work_dir = workdir.create(config.output)
+        dataset, loader = make_loader(config, world)
+        validation = [load_bin(p) for p in config.val_paths()] if world.is_main else []
+        net = build_backbone(config, ctx)
+        pfc = PartialFC(config.num_classes, config.embedding_size, rank=world.rank,
+                        world_size=world.size, ctx=ctx, sample_rate=config.sample_rate,
+                        margin=tuple(config.margin_list), scale=config.scale,
+                        momentum=config.momentum, weight_decay=config.weight_decay,
+                        fp16_centers=config.fp16_centers, seed=config.seed)
+        trainer = make_trainer(config, net)
+    except USER_ERRORS as failure:
+        error = failure
+    dist.raise_on_every_rank(error, name="start")
+    workdir.check_shared(work_dir, world)
+    check_same_dataset(dataset, world)
+    state, notes = restore(config, world, ctx, work_dir, net, trainer, pfc,
+                           resume_from, load_from)
+    dist.broadcast_parameters(net.collect_params(), root_rank=0)
+    plan = Plan.of(loader.num_images, state.reference_batch, config.num_epoch,
+                   config.max_steps, config.warmup_epoch, config.lr_steps)
+    state.advance(loader.global_batch, loader.num_images, steps=0)  # no batch left in epoch?
+    total = state.step + plan.steps_left(state.epoch, state.images_in_epoch, loader.global_batch)
+    log = TrainingLog(work_dir, world.is_main, total, loader.global_batch, config.frequent,
+                      first_step=state.step)
+    for note in notes:
+        log.info(note)
+    log.info(f"training {config.network} on {config.rec}: {config.num_classes} classes, "
+             f"{world.size} processes on {ctx}, {len(loader)} steps per epoch, "
+             f"{total} steps" + (f", resumed at step {state.step} (epoch {state.epoch}, "
+                                 f"{state.images_in_epoch} images into it)"
+                                 if state.step else ""))
+    scaler = LossScaler(dynamic=config.fp16, scale=state.loss_scale if resume_from else 2.0**16)
+    run = Run(config, world, ctx, work_dir, dataset, loader, net, pfc, trainer, validation,
+              state, plan, scaler, log)
+    if validation and state.step == 0:
+        evaluate(run)  # what training adds
+    return run
+
+
+def make_loader(config: Config, world: dist.World) -> tuple:
+    """(dataset, loader); rec = "random" feeds random tensors (speed runs, no dataset)."""
+    if config.rec == "random":
+        global_batch = config.batch_size * world.size
+        images = config.num_image if config.num_image >= global_batch else 1000 * global_batch
+        return None, RandomLoader(config.batch_size, config.num_classes, images,
+                                  world_size=world.size, seed=config.seed + world.rank)
+    dataset = RecordDataset(config.rec, config.num_classes)
+    return dataset, FaceLoader(dataset, config.batch_size, rank=world.rank,
+                               world_size=world.size, seed=config.seed,
+                               num_workers=config.num_workers,
+                               skip_corrupt=config.skip_corrupt)
+
+
+def check_same_dataset(dataset: RecordDataset | None, world: dist.World) -> None:
+    """Hosts whose copies of the dataset differ would disagree about the epoch's end."""
+    import socket
+
+    fingerprint = dataset.records.fingerprint() if dataset is not None else None
+    copies = dist.allgather_object((socket.gethostname(), fingerprint), name="start.dataset")
+    if problem := dataset_disagreement([(r, host, f) for r, (host, f) in enumerate(copies)]):
+        raise DataError(problem)
 
 
 def build_backbone(config: Config, ctx: mx.Context):
@@ -66,111 +237,56 @@ def build_backbone(config: Config, ctx: mx.Context):
     return to_float16(net, ctx) if config.fp16 else net
 
 
-def train(config: Config, resume_from: str | None = None, load_from: str | None = None) -> int:
-    world = dist.init()
-    ctx = dist.device(world.local_rank)
-    mx.random.seed(config.seed)
-    work_dir = Path(config.output)
-    if world.is_main:
-        work_dir.mkdir(parents=True, exist_ok=True)
-    dataset, loader = make_loader(config, world)
-    total_steps = config.max_steps or config.num_epoch * len(loader)
-    net = build_backbone(config, ctx)
-    pfc = PartialFC(config.num_classes, config.embedding_size, rank=world.rank,
-                    world_size=world.size, ctx=ctx, sample_rate=config.sample_rate,
-                    margin=tuple(config.margin_list), scale=config.scale,
-                    momentum=config.momentum, weight_decay=config.weight_decay,
-                    fp16_centers=config.fp16_centers, seed=config.seed)
+def make_trainer(config: Config, net) -> mx.gluon.Trainer:
     options = {"learning_rate": config.lr, "wd": config.weight_decay,
                "multi_precision": config.fp16}
     if config.optimizer == "sgd":
         options["momentum"] = config.momentum
-    trainer = hvd.DistributedTrainer(net.collect_params(), config.optimizer, options)
-    state = TrainState()
-    if resume_from:
-        state = checkpoint.resume(checkpoint.latest(resume_from), net, trainer, pfc, world, ctx)
-    elif load_from:
-        checkpoint.load_weights(checkpoint.latest(load_from), net, pfc, ctx)
-    dist.broadcast_parameters(net.collect_params(), root_rank=0)
-    scaler = LossScaler(dynamic=config.fp16, scale=state.loss_scale if resume_from else 2.0**16)
-    log = TrainingLog(work_dir, world.is_main, total_steps, config.batch_size * world.size,
-                      config.frequent, first_step=state.step)
-    log.info(f"training {config.network} on {config.rec}: {config.num_classes} classes, "
-             f"{world.size} processes on {ctx}, "
-             f"{len(loader)} steps per epoch, {total_steps} steps"
-             + (f", resumed at step {state.step}" if state.step else ""))
-    validation = [load_bin(p) for p in config.val_paths()] if world.is_main else []
-    best: dict = {}
-    if validation and state.step == 0:
-        evaluate(net, validation, ctx, log, 0, work_dir, best)  # what training adds
-    stop = StopRequest()
-    warmup = config.warmup_epoch * len(loader)
-    faulthandler.enable()
-    try:
-        while state.step < total_steps:
-            batches = log.data_wait.timed(loader.epoch(state.epoch, state.step_in_epoch))
-            for batch in in_step(batches):
-                if config.stall_timeout:
-                    faulthandler.dump_traceback_later(config.stall_timeout, exit=True)
-                lr = learning_rate(config.lr, state.step, total_steps, warmup, config.lr_steps)
-                mx.random.seed(config.seed + 7919 * state.step + world.rank)  # dropout, resumable
-                loss = train_step(net, pfc, trainer, batch, lr, config, scaler, world, ctx)
-                state.step += 1
-                state.step_in_epoch += 1
-                if not np.isfinite(loss):
-                    raise TrainingError(
-                        f"the loss became {loss} at step {state.step} (lr {lr:g}); stopping "
-                        "without saving. The last good checkpoint is untouched: lower lr or "
-                        "set clip_grad, then resume with --resume-from")
-                log.step(state.step, state.epoch, loss, lr, scaler.scale)
-                done = state.step >= total_steps  # the last step is evaluated at the end
-                if world.is_main and validation and state.step % config.verbose == 0 \
-                        and not done:
-                    evaluate(net, validation, ctx, log, state.step, work_dir, best)
-                stopping = dist.any_rank(stop.signal is not None, name="stop")
-                if stopping or done or (config.save_every and
-                                        state.step % config.save_every == 0):
-                    save(work_dir, state, net, trainer, pfc, world, config, scaler, log)
-                if stopping:
-                    log.info(f"stopped by a signal at step {state.step}; resume with "
-                             f"--resume-from {work_dir}")
-                    return 128 + (stop.signal or signal.SIGTERM)
-                if done:
-                    break
+    return hvd.DistributedTrainer(net.collect_params(), config.optimizer, options)
+
+
+def restore(config: Config, world: dist.World, ctx: mx.Context, work_dir: Path, net, trainer,
+            pfc: PartialFC, resume_from: str | None,
+            load_from: str | None) -> tuple[TrainState, list[str]]:
+    """The state to start from and notes for the log: a checkpoint's (--resume-from),
+    or step 0, with a checkpoint's weights (--load-from) or fresh ones."""
+    fresh = TrainState(reference_batch=config.batch_size * world.size)
+    if resume_from or load_from:
+        path, notes = checkpoint.find_resumable(resume_from or load_from, world)
+        error, state = None, fresh
+        try:
+            if resume_from:
+                state = checkpoint.resume(path, net, trainer, pfc, world, ctx)
             else:
-                state.epoch, state.step_in_epoch = state.epoch + 1, 0
-                if not config.save_every and state.step < total_steps:
-                    save(work_dir, state, net, trainer, pfc, world, config, scaler, log)
-        if world.is_main and validation:
-            final_report(net, validation, ctx, log, state.step, dataset, config, work_dir,
-                         best)
-        return 0
-    finally:
-        faulthandler.cancel_dump_traceback_later()
-        log.close()
+                checkpoint.load_weights(path, net, pfc, ctx)
+        except (CheckpointError, OptimizerStateError, OSError, ValueError) as failure:
+            error = CheckpointError(f"cannot {'resume' if resume_from else 'load'} from "
+                                    f"{path}: {failure}")
+        dist.raise_on_every_rank(error, name="restore")
+        verb = "resuming from" if resume_from else "loaded the weights of"
+        return state, [*notes, f"{verb} {path}"]
+    aside, error = None, None
+    if world.is_main:
+        try:
+            aside = checkpoint.set_aside_earlier_run(work_dir)
+        except OSError as failure:
+            error = CheckpointError(f"cannot move the earlier checkpoints in {work_dir} "
+                                    f"aside: {failure}")
+    dist.raise_on_every_rank(error, name="restore.aside")
+    notes = [f"{work_dir} held checkpoints of an earlier run: moved them to {aside} (use "
+             "--resume-from to continue a run)"] if aside else []
+    return fresh, notes
 
 
-def make_loader(config: Config, world: dist.World) -> tuple:
-    """(dataset, loader); rec = "random" feeds random tensors (speed runs, no dataset)."""
-    if config.rec == "random":
-        global_batch = config.batch_size * world.size
-        steps = max(1, config.num_image // global_batch) if config.num_image else 1000
-        return None, RandomLoader(config.batch_size, config.num_classes, steps,
-                                  seed=config.seed + world.rank)
-    dataset = RecordDataset(config.rec, config.num_classes)
-    return dataset, FaceLoader(dataset, config.batch_size, rank=world.rank,
-                               world_size=world.size, seed=config.seed,
-                               num_workers=config.num_workers,
-                               skip_corrupt=config.skip_corrupt)
-
-
-def train_step(net, pfc: PartialFC, trainer, batch: Batch, lr: float, config: Config,
-               scaler: LossScaler, world: dist.World, ctx: mx.Context) -> float:
+# ----- one step -----
+def train_step(run: Run, batch: Batch, lr: float) -> float:
+    net, trainer, scaler, ctx = run.net, run.trainer, run.scaler, run.ctx
     images = mx.nd.array(batch.images, ctx=ctx)
     with mx.autograd.record():
         embeddings = net(images)
-    loss, grad = pfc.forward_backward(embeddings, batch.labels)
-    embeddings.backward(grad * scaler.scale if scaler.dynamic else grad)
+    loss, grad = run.pfc.forward_backward(embeddings, batch.labels,
+                                          grad_scale=scaler.scale if scaler.dynamic else 1.0)
+    embeddings.backward(grad)
     trainer.allreduce_grads()
     grads = [p.grad(ctx) for p in net.collect_params().values() if p.grad_req != "null"]
     finite = scaler.gradients_finite(grads)
@@ -178,55 +294,53 @@ def train_step(net, pfc: PartialFC, trainer, batch: Batch, lr: float, config: Co
     if finite:
         # update() applies rescale_grad = trainer._scale / batch_size to the allreduced
         # gradients; batch_size = scale / W turns them into the sum over ranks, unscaled
-        batch_size = scaler.scale / world.size
-        if config.clip_grad:
+        batch_size = scaler.scale / run.world.size
+        if run.config.clip_grad:
             effective = trainer._scale / batch_size
-            mx.gluon.utils.clip_global_norm(grads, config.clip_grad / effective)
+            mx.gluon.utils.clip_global_norm(grads, run.config.clip_grad / effective)
         trainer.set_learning_rate(lr)
         trainer.update(batch_size)
-    pfc.step(lr * config.center_lr_scale)
+    run.pfc.step(lr * run.config.center_lr_scale)
     return float(loss.asscalar())
 
 
-def save(work_dir: Path, state: TrainState, net, trainer, pfc: PartialFC, world: dist.World,
-         config: Config, scaler: LossScaler, log: TrainingLog) -> None:
-    state.loss_scale = scaler.scale
-    start = time.time()
-    path = checkpoint.save(work_dir, state, net, trainer, pfc, world, config.keep_checkpoints)
-    if world.is_main:
-        onnx_path = export_onnx(work_dir)
-        log.info(f"saved checkpoint {path} and {onnx_path} in {time.time() - start:.1f} s")
+# ----- saving and evaluating -----
+def save(run: Run) -> None:
+    run.state.loss_scale = run.scaler.scale
+    start_time = time.time()
+    path = checkpoint.save(run.work_dir, run.state, run.net, run.trainer, run.pfc, run.world,
+                           run.config.keep_checkpoints)
+    if run.world.is_main:
+        onnx_path = export_onnx(run.work_dir)
+        run.log.info(f"saved checkpoint {path} and {onnx_path} in "
+                     f"{time.time() - start_time:.1f} s")
 
 
-def evaluate(net, validation: list, ctx: mx.Context, log: TrainingLog, step: int,
-             work_dir: Path, best: dict) -> dict:
-    """Log every set's accuracy; export the backbone as backbone-best-* whenever the
-    mean accuracy over the sets beats the best so far (`best` keeps it)."""
-    results = {}
-    for dataset in validation:
-        result = verify(mxnet_forward(net, ctx), dataset)
-        results[dataset.name] = result
-        log.info(f"[{dataset.name}][{step}]Accuracy-Flip: {result.accuracy:.5f}"
+def evaluate(run: Run) -> None:
+    """Log every set's accuracy (rank 0); export the backbone as backbone-best-*
+    whenever the mean accuracy beats the best so far, which the checkpoints keep."""
+    state, log = run.state, run.log
+    for dataset in run.validation:
+        result = verify(mxnet_forward(run.net, run.ctx), dataset)
+        run.accuracy[dataset.name] = result.accuracy
+        log.info(f"[{dataset.name}][{state.step}]Accuracy-Flip: {result.accuracy:.5f}"
                  f"+-{result.std:.5f}")
-        log.scalars(step, {f"verification/{dataset.name}": result.accuracy})
-    mean = sum(r.accuracy for r in results.values()) / len(results)
-    if step > 0 and mean > best.get("accuracy", -1.0):
-        best.update(accuracy=mean, step=step)
-        net.export(str(work_dir / "backbone-best"), epoch=0)
-        log.info(f"best mean verification accuracy so far: {mean:.5f} at step {step}; "
-                 f"saved {work_dir}/backbone-best-*")
-    return results
+        log.scalars(state.step, {f"verification/{dataset.name}": result.accuracy})
+    mean = sum(run.accuracy.values()) / len(run.accuracy)
+    if state.step > 0 and mean > state.best_accuracy:
+        state.best_accuracy, state.best_step = mean, state.step
+        checkpoint.save_backbone(run.net, run.work_dir / "backbone-best")
+        log.info(f"best mean verification accuracy so far: {mean:.5f} at step {state.step}; "
+                 f"saved {run.work_dir}/backbone-best-*")
 
 
-def final_report(net, validation: list, ctx: mx.Context, log: TrainingLog, step: int,
-                 dataset: RecordDataset | None, config: Config, work_dir: Path,
-                 best: dict) -> None:
-    results = evaluate(net, validation, ctx, log, step, work_dir, best)
-    if not config.report_baseline or dataset is None:
+def report_baseline(run: Run) -> None:
+    """The eigenfaces (PCA) accuracy on the same pairs, beside the model's last one."""
+    if run.dataset is None:
         return
-    sample = FaceLoader(dataset, min(len(dataset), 2000), mirror=False, seed=0)
+    sample = FaceLoader(run.dataset, min(len(run.dataset), 2000), mirror=False, seed=0)
     train_images = next(iter(sample.epoch(0))).images
-    for pairs in validation:
+    for pairs in run.validation:
         baseline = eigenfaces_accuracy(train_images, pairs)
-        log.info(f"[{pairs.name}] model accuracy {results[pairs.name].accuracy:.4f} vs "
-                 f"eigenfaces (PCA) baseline {baseline.accuracy:.4f} on the same pairs")
+        run.log.info(f"[{pairs.name}] model accuracy {run.accuracy[pairs.name]:.4f} vs "
+                     f"eigenfaces (PCA) baseline {baseline.accuracy:.4f} on the same pairs")

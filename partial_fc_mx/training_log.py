@@ -41,7 +41,8 @@ class TrainingLog:
         if self.enabled:
             self.logger.info(message)
 
-    def step(self, step: int, epoch: int, loss: float, lr: float, loss_scale: float) -> None:
+    def step(self, step: int, epoch: int, loss: float, lr: float, loss_scale: float,
+             images: int) -> None:
         """Called after every step (`step` = steps done); writes every `frequent` steps."""
         self._losses.append(loss)
         if self.bar is not None:
@@ -56,7 +57,8 @@ class TrainingLog:
         data_wait = 100 * self.data_wait.seconds / max(elapsed, 1e-9)
         self.info(f"Speed {speed:.2f} samples/sec   Loss {mean_loss:.4f}   "
                   f"LearningRate {lr:.6f}   Epoch: {epoch}   Global Step: {step}   "
-                  f"Required: {required:.1f} hours   DataWait: {data_wait:.1f}%")
+                  f"Required: {required:.1f} hours   DataWait: {data_wait:.1f}%   "
+                  f"Images: {images}")
         self.scalars(step, {"loss": mean_loss, "learning_rate": lr, "speed": speed,
                             "loss_scale": loss_scale, "data_wait_percent": data_wait})
         self._losses, self._tic, self._tic_step = [], time.time(), step

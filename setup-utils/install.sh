@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up everything partial_fc_mx needs on a Debian/Ubuntu machine, idempotently:
-# Open MPI and a compiler from apt, a virtual environment .venv/ with the pinned
+# Open MPI, a compiler and iproute2 from apt, a virtual environment .venv/ with the pinned
 # Python packages, and Horovod built from source against the installed MXNet.
 #
 #   bash setup-utils/install.sh                              # CPU (default)
@@ -41,6 +41,9 @@ install_system_packages() {
   command -v g++ >/dev/null || missing+=(g++)
   command -v gcc >/dev/null || missing+=(gcc)  # tests/test_dist.py builds a C shim
   command -v make >/dev/null || missing+=(make)
+  # the multi-host tests: network namespaces (ip) and mount/UTS namespaces (unshare)
+  command -v ip >/dev/null || missing+=(iproute2)
+  command -v unshare >/dev/null || missing+=(util-linux)
   [ ${#missing[@]} -eq 0 ] && return 0
   local sudo=
   if [ "$(id -u)" -ne 0 ]; then

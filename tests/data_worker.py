@@ -5,6 +5,8 @@ shard:   every image has its own label; the ranks' batches over two epochs are
 corrupt: a record in some rank's shard is corrupt; every rank must raise the same
          DataError (through loader.in_step) instead of one rank waiting forever; each
          writes the message to DATASET_DIR/error.rank<R>.
+uneven:  rank R reads DATASET_DIR/r<R>, copies of different sizes (hosts whose copies
+         differ): every rank must raise the same DataError at the epoch's end.
 """
 
 from __future__ import annotations
@@ -23,15 +25,16 @@ def main() -> None:
     directory, case = sys.argv[1], sys.argv[2]
     hvd.init()
     rank, world = hvd.rank(), hvd.size()
-    loader = FaceLoader(RecordDataset(directory), 4, rank=rank, world_size=world, seed=9)
-    if case == "corrupt":
+    data = Path(directory) / f"r{rank}" if case == "uneven" else directory
+    loader = FaceLoader(RecordDataset(data), 4, rank=rank, world_size=world, seed=9)
+    if case in ("corrupt", "uneven"):
         try:
             for _ in in_step(loader.epoch(0)):
                 pass
         except DataError as error:  # a file per rank: launchers may interleave stdout lines
             (Path(directory) / f"error.rank{rank}").write_text(str(error))
             return
-        raise AssertionError(f"rank {rank}: the corrupt record went unnoticed")
+        raise AssertionError(f"rank {rank}: the bad data went unnoticed ({case})")
     seen = [[int(label) for batch in in_step(loader.epoch(e)) for label in batch.labels]
             for e in (0, 1)]
     everyone = hvd.allgather_object(seen)

@@ -5,7 +5,8 @@ and compares with the float64 full-softmax reference in pfc_reference.py. It pri
 `PASS rank R ...` with the errors it saw, or raises. Usage:
 
     python tests/pfc_worker.py CASE      (CASE: exact, unequal, sampled, fp16,
-                                          fp16-sampled, bf16, bad-label, nonfinite, width)
+                                          fp16-sampled, bf16, bad-label, nonfinite, width,
+                                          loss-scale)
 """
 
 from __future__ import annotations
@@ -113,10 +114,38 @@ def run_bad_input(case: str, rank: int, world: int) -> str:
     raise AssertionError(f"rank {rank}: bad input on rank {culprit} was accepted")
 
 
+def run_loss_scale(rank: int, world: int) -> str:
+    """float16 training multiplies the embeddings' gradient by the loss scale. With a
+    large global batch and embeddings of large norm the gradient is ~1e-8, below
+    float16's smallest value (6e-8): it must be scaled before the cast to float16,
+    or it is flushed to zero. The scaled float16 gradient may have no more zeros than
+    the scaled float32 one stored in float16, and must match it to float16 precision."""
+    rows, dim, scale = 2048, 16, 2.0**16
+    rng = np.random.default_rng(rank)
+    x16 = mx.nd.array(1e4 * rng.normal(size=(rows, dim))).astype("float16")
+    labels = mx.nd.array(rng.integers(0, 64, rows))
+    pfc = PartialFC(64, dim, rank=rank, world_size=world, margin=(1.0, 0.0, 0.0), scale=1.0)
+    _, g32 = pfc.forward_backward(x16.astype("float32"), labels, grad_scale=scale)
+    _, g16 = pfc.forward_backward(x16, labels, grad_scale=scale)
+    _, unscaled = pfc.forward_backward(x16, labels)
+    g32, g16 = g32.asnumpy(), g16.astype("float32").asnumpy()
+    zeros32, zeros16 = int((g32.astype(np.float16) == 0).sum()), int((g16 == 0).sum())
+    flushed = int((unscaled.astype("float32").asnumpy() == 0).sum())
+    assert zeros16 <= zeros32, (zeros16, zeros32)
+    assert flushed > g32.size // 2, f"the test's gradients are not small enough: {flushed}"
+    error = rel(g16, g32)
+    assert error < 2e-3, error
+    return (f"zeros: scaled float16 {zeros16}, scaled float32 {zeros32}, float16 cast "
+            f"before scaling {flushed} of {g32.size}; relative error {error:.1e}")
+
+
 def main() -> None:
     case = sys.argv[1]
     hvd.init()
     rank, world = hvd.rank(), hvd.size()
+    if case == "loss-scale":
+        print(f"PASS rank {rank}/{world} {case}: {run_loss_scale(rank, world)}", flush=True)
+        return
     if case in ("bad-label", "nonfinite", "width"):
         print(f"REJECTED rank {rank}: {run_bad_input(case, rank, world)}", flush=True)
         return

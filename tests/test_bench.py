@@ -3,7 +3,7 @@
 import re
 import sys
 
-from conftest import horovodrun_gloo
+from conftest import horovodrun_gloo, run
 
 
 def test_pfc_bench_reports_the_sample_ratios_and_memory_for_each_rank():
@@ -20,3 +20,16 @@ def test_pfc_bench_reports_the_sample_ratios_and_memory_for_each_rank():
     assert len(ratios) == 4 and all(r > 0 for r in ratios)
     assert len(re.findall(r"at the same sample size: \d+\.\d+", out)) == 2
     assert re.search(r"GEMMs C=30,000: [\d.]+ GFLOP/s summed over the 2 ranks", out)
+
+
+def test_save_bench_reports_each_way_of_writing_a_shard(tmp_path):
+    result = run([sys.executable, "-m", "partial_fc_mx.bench", "save", "--rows", "2000",
+                  "--embedding-size", "64", "--repeats", "2", "--dir", str(tmp_path)])
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "one shard of 2000 x 64 float32 (0 MiB)" in result.stdout
+    rows = re.findall(r"^  (.+?)\s+([\d.]+) ms\s+\d+ MiB/s\s+([\d.]+)x np.save$",
+                      result.stdout, flags=re.MULTILINE)
+    assert [name for name, _, _ in rows] == ["np.save", "checksummed + fsync",
+                                             "verify (read back + CRC-32)"]
+    assert float(rows[0][2]) == 1.0 and all(float(ms) > 0 for _, ms, _ in rows)
+    assert list(tmp_path.iterdir()) == []  # it cleans up

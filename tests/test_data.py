@@ -154,7 +154,7 @@ def test_mirroring_flips_about_half_the_images(tmp_path):
 
 
 def test_random_loader_has_the_shapes_and_no_decoding():
-    loader = RandomLoader(4, 1000, steps_per_epoch=3)
+    loader = RandomLoader(4, 1000, num_images=14)  # 3 batches, 2 images dropped
     batches = list(loader.epoch(0))
     assert len(batches) == 3 and batches[0].images.shape == (4, 3, 112, 112)
     assert all(0 <= label < 1000 for b in batches for label in b.labels)
@@ -309,3 +309,17 @@ def test_a_corrupt_record_on_one_rank_stops_every_rank_with_the_same_error(tmp_p
     messages = [(directory / f"error.rank{rank}").read_text() for rank in range(2)]
     assert messages[0] == messages[1]
     assert "records [11] hold images that cannot be decoded" in messages[0]
+
+
+def test_ranks_whose_datasets_differ_stop_together_at_the_epoch_end(tmp_path):
+    """Rank 0's copy has 40 images (5 global batches of 4 x 2), rank 1's 56 (7): after
+    5 steps rank 0 has no batch; both must raise, naming each rank's count."""
+    pack_random(tmp_path / "r0", 10, 4)
+    pack_random(tmp_path / "r1", 14, 4)
+    result = mpirun(2, [sys.executable, "tests/data_worker.py", str(tmp_path), "uneven"],
+                    timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:]
+    messages = [(tmp_path / f"error.rank{rank}").read_text() for rank in range(2)]
+    assert messages[0] == messages[1], messages
+    assert "the ranks disagree about the end of the epoch: rank 0 has 5 batches, rank 1 has " \
+           "6+ batches. Their copies of the dataset differ" in messages[0]

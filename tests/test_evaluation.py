@@ -9,6 +9,7 @@ import mxnet as mx
 import numpy as np
 import onnx
 import pytest
+from conftest import python_module, run
 from onnx import TensorProto, helper
 
 from partial_fc_mx.backbones import get_model
@@ -73,15 +74,68 @@ def write_bin(path: Path, images: list, issame: list) -> Path:
 
 def test_bin_files_are_read_and_bad_ones_named(tmp_path):
     face = encode_jpeg(np.full((112, 112, 3), 128, np.uint8))
-    good = load_bin(write_bin(tmp_path / "good.bin", [face] * 4, [True, False]))
-    assert good.images.shape == (4, 3, 112, 112) and good.issame.tolist() == [True, False]
+    issame = [True, False] * 5
+    good = load_bin(write_bin(tmp_path / "good.bin", [face] * 20, issame))
+    assert good.images.shape == (20, 3, 112, 112) and good.issame.tolist() == issame
     (tmp_path / "text.bin").write_text("hello")
     with pytest.raises(DataError, match=r"text\.bin is not an insightface \.bin"):
         load_bin(tmp_path / "text.bin")
-    with pytest.raises(DataError, match=r"odd\.bin holds 3 images for 2 pairs"):
-        load_bin(write_bin(tmp_path / "odd.bin", [face] * 3, [True, False]))
+    with pytest.raises(DataError, match=r"odd\.bin holds 21 images for 10 pairs"):
+        load_bin(write_bin(tmp_path / "odd.bin", [face] * 21, issame))
     with pytest.raises(DataError, match=r"broken\.bin: image 1 cannot be decoded"):
-        load_bin(write_bin(tmp_path / "broken.bin", [face, b"junk"], [True]))
+        load_bin(write_bin(tmp_path / "broken.bin", [face, b"junk"] * 10, issame))
+
+
+@pytest.mark.parametrize("pairs", [0, 1, 9])
+def test_bin_files_with_too_few_pairs_for_ten_folds_are_refused(tmp_path, pairs):
+    face = encode_jpeg(np.full((112, 112, 3), 128, np.uint8))
+    path = write_bin(tmp_path / "few.bin", [face] * (2 * pairs), [True] * pairs)
+    with pytest.raises(DataError, match=rf"few\.bin holds {pairs} pairs; the 10-fold protocol "
+                                        "needs at least 10"):
+        load_bin(path)
+
+
+def test_bin_files_in_the_layouts_insightface_wrote_are_read(tmp_path):
+    """Python 2 pickles (protocol 2: bytes via _codecs.encode), images as uint8 arrays,
+    issame as a numpy array."""
+    face = encode_jpeg(np.full((112, 112, 3), 128, np.uint8))
+    issame = np.array([True, False] * 5)
+    as_arrays = [np.frombuffer(face, np.uint8)] * 20
+    for name, content, protocol in (("py2.bin", ([face] * 20, issame.tolist()), 2),
+                                    ("arrays.bin", (as_arrays, issame), 4),
+                                    ("arrays5.bin", (as_arrays, issame), 5)):
+        (tmp_path / name).write_bytes(pickle.dumps(content, protocol=protocol))
+        loaded = load_bin(tmp_path / name)
+        assert loaded.images.shape == (20, 3, 112, 112), name
+        assert loaded.issame.tolist() == issame.tolist(), name
+
+
+class CreatesAFile:
+    """A pickle payload: unpickling it would call os.system and create a file."""
+
+    def __init__(self, target: Path) -> None:
+        self.target = target
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.target}",)
+
+
+def test_a_crafted_bin_is_refused_without_running_its_payload(tmp_path, work_dir):
+    target = tmp_path / "pwned"
+    face = encode_jpeg(np.full((112, 112, 3), 128, np.uint8))
+    crafted = write_bin(tmp_path / "crafted.bin", [face] * 19 + [CreatesAFile(target)],
+                        [True] * 10)
+    pickle.loads(pickle.dumps(CreatesAFile(tmp_path / "control")))  # the payload works
+    assert (tmp_path / "control").exists()
+    with pytest.raises(DataError, match=r"crafted\.bin is not an insightface \.bin.*"
+                                        r"references posix\.system.*refused without running"):
+        load_bin(crafted)
+    assert not target.exists()
+    result = run(python_module("eval", "--model", str(work_dir), "--bin", str(crafted)))
+    assert result.returncode == 2 and "references posix.system" in result.stdout
+    assert not target.exists()
 
 
 @pytest.fixture(scope="module")

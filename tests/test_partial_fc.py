@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
 import pytest
 from conftest import horovodrun_gloo, mpirun, run
+
+from partial_fc_mx.partial_fc import PartialFC
 
 WORKER = ["tests/pfc_worker.py"]
 
@@ -42,6 +45,8 @@ def assert_every_rank_passed(result, world: int, case: str):
     ("horovodrun", 2, "fp16"),        # float16 embeddings and float16 center storage
     ("mpirun", 2, "fp16-sampled"),
     ("horovodrun", 2, "bf16"),        # bfloat16 embeddings (MXNet's CPU low precision)
+    ("python", 1, "loss-scale"),      # the fp16 loss scale is applied before the cast
+    ("mpirun", 2, "loss-scale"),
 ])
 def test_matches_the_full_softmax_reference(launcher, world, case):
     assert_every_rank_passed(launch(launcher, world, case), world, case)
@@ -59,3 +64,18 @@ def test_bad_input_is_rejected_on_every_rank(launcher, world, case, message):
     assert result.returncode == 0, result.stdout[-3000:]
     for rank in range(world):
         assert f"REJECTED rank {rank}: Partial FC input rejected: {message}" in result.stdout
+
+
+def test_initial_centers_depend_on_the_class_not_on_the_world_size():
+    """Each class's initial center comes from (seed, class index): the same matrix on
+    any number of processes, and shards of equal size do not start alike."""
+    full = PartialFC(10000, 8, rank=0, world_size=1, seed=5).weight.asnumpy()
+    for world in (2, 3, 7):
+        shards = [PartialFC(10000, 8, rank=r, world_size=world, seed=5).weight.asnumpy()
+                  for r in range(world)]
+        assert np.concatenate(shards).tobytes() == full.tobytes()
+    first, second = np.split(full, 2)
+    assert not np.allclose(first, second)
+    assert abs(full.std() - 0.01) < 2e-4 and abs(full.mean()) < 2e-4
+    other = PartialFC(10000, 8, rank=0, world_size=1, seed=6).weight.asnumpy()
+    assert not np.allclose(other, full)

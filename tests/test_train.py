@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -14,51 +13,25 @@ import mxnet as mx
 import numpy as np
 import pytest
 from conftest import (
-    REPO,
+    CLASSES,
+    config_file,
+    finish,
     horovodrun_gloo,
     horovodrun_gloo_command,
+    kill_group,
+    logged,
     mpirun,
     mpirun_command,
+    output_of,
     python_module,
+    rank_pids,
     run,
+    start,
+    train_args,
 )
 
 from partial_fc_mx.backbones import get_model
 from partial_fc_mx.backbones.summary import count_flops
-from partial_fc_mx.data.synthetic import prepare_synthetic
-
-CLASSES = 120
-
-
-@pytest.fixture(scope="module")
-def synthetic(tmp_path_factory) -> Path:
-    directory = tmp_path_factory.mktemp("data") / "syn"
-    prepare_synthetic(str(directory), CLASSES, per_class=6, heldout=40, pairs=200, seed=1)
-    return directory
-
-
-def config_file(tmp_path: Path, data: Path, **keys) -> Path:
-    values = {"rec": str(data), "num_classes": CLASSES, "network": "tiny",
-              "embedding_size": 64, "batch_size": 24, "lr": 0.1, "num_epoch": 4,
-              "margin_list": (1.0, 0.0, 0.35), "scale": 32.0, "frequent": 1, "verbose": 1000,
-              "num_workers": 1, "stall_timeout": 120, **keys}
-    path = tmp_path / "config.py"
-    path.write_text("".join(f"{k} = {v!r}\n" for k, v in values.items()))
-    return path
-
-
-def train_args(config: Path, work_dir: Path, *extra: str) -> list[str]:
-    return python_module("train", str(config), "--work-dir", str(work_dir), *extra)
-
-
-def logged(work_dir: Path) -> dict:
-    """{step: loss} and [(step, accuracy)] from training.log."""
-    text = (work_dir / "training.log").read_text()
-    losses = {int(step): float(loss) for loss, step in
-              re.findall(r"Loss ([\d.]+) .*Global Step: (\d+)", text)}
-    accuracy = [(int(s), float(a)) for s, a in re.findall(r"\]\[(\d+)\]Accuracy-Flip: ([\d.]+)",
-                                                           text)]
-    return {"losses": losses, "accuracy": accuracy, "text": text}
 
 
 def test_two_processes_learn_and_verify_better_on_unseen_identities(tmp_path, synthetic):
@@ -124,7 +97,11 @@ def test_resharding_keeps_the_center_matrix(tmp_path, synthetic, before, after):
     go_on = train_args(config, tmp_path / "more", "--resume-from", str(checkpoint))
     continued = mpirun(after, go_on, timeout=600) if after > 1 else run(go_on, timeout=600)
     assert continued.returncode == 0, continued.stdout[-3000:]
-    assert sorted(logged(tmp_path / "more")["losses"]) == [3]
+    # max_steps counts steps of the global batch the run started with (24 x before):
+    # the resumed run stops at the same image, in as many of its own steps as that takes
+    lines = logged(tmp_path / "more")["steps"]
+    assert [line["step"] for line in lines] == list(range(3, 3 + -(-before // after)))
+    assert lines[-1]["images"] >= 3 * 24 * before > lines[-1]["images"] - 24 * after
 
 
 def test_load_from_takes_weights_and_starts_at_step_zero(tmp_path, synthetic):
@@ -139,25 +116,22 @@ def test_load_from_takes_weights_and_starts_at_step_zero(tmp_path, synthetic):
     assert "resumed" not in logged(tmp_path / "b")["text"]
 
 
-def rank_pids(pattern: str) -> list[int]:
-    """The training processes (not mpirun, whose command line matches too)."""
-    found = subprocess.run(["pgrep", "-f", pattern], text=True, stdout=subprocess.PIPE)
-    pids = [int(p) for p in found.stdout.split()]
-    return [p for p in pids if Path(f"/proc/{p}/comm").read_text().startswith("python")]
-
-
 def start_and_wait(args: list[str], work: Path, steps: int = 2) -> subprocess.Popen:
-    process = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, text=True,
-                               stderr=subprocess.STDOUT,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    process = start(args)
     deadline = time.time() + 180
     while time.time() < deadline:
         log = work / "training.log"
         if log.is_file() and len(re.findall(r"Global Step: \d+", log.read_text())) >= steps:
             return process
         time.sleep(0.5)
-    process.kill()
-    raise AssertionError(f"training did not reach step {steps}: {process.stdout.read()}")
+    kill_group(process)
+    raise AssertionError(f"training did not reach step {steps}: {output_of(process)}")
+
+
+def wait_for_ranks_to_exit(pattern: str, since: float, limit: float) -> None:
+    while rank_pids(pattern) and time.time() - since < limit:
+        time.sleep(0.5)
+    assert not rank_pids(pattern), f"ranks still running {limit} s later"
 
 
 @pytest.mark.parametrize("launch", [mpirun_command, horovodrun_gloo_command])
@@ -168,35 +142,39 @@ def test_a_killed_rank_ends_the_job_within_a_minute(tmp_path, synthetic, launch)
     pattern = f"partial_fc_mx train {config}"
     victims = rank_pids(pattern)
     assert len(victims) == 2
-    start = time.time()
+    begin = time.time()
     subprocess.run(["kill", "-9", str(victims[-1])])
-    try:
-        code = job.wait(timeout=60)
-    finally:
-        job.kill()
-    while rank_pids(pattern) and time.time() - start < 60:  # and no rank outlives it
-        time.sleep(0.5)
-    assert code != 0 and not rank_pids(pattern) and time.time() - start < 60
+    code = finish(job, timeout=60).returncode
+    wait_for_ranks_to_exit(pattern, begin, 60)  # and no rank outlives it
+    assert code != 0
 
 
 @pytest.mark.parametrize("launch", [mpirun_command, horovodrun_gloo_command])
-def test_sigterm_to_one_rank_saves_a_checkpoint_on_all(tmp_path, synthetic, launch):
+def test_sigterm_to_one_rank_saves_a_checkpoint_on_all_and_it_resumes(tmp_path, synthetic,
+                                                                      launch):
     config = config_file(tmp_path, synthetic, num_epoch=1000)
     work = tmp_path / "term"
     job = start_and_wait(launch(2, train_args(config, work)), work)
-    ranks = rank_pids(f"partial_fc_mx train {config}")
-    subprocess.run(["kill", "-TERM", str(ranks[-1])])
-    try:
-        job.wait(timeout=120)
-    finally:
-        job.kill()
+    pattern = f"partial_fc_mx train {config}"
+    begin = time.time()
+    subprocess.run(["kill", "-TERM", str(rank_pids(pattern)[-1])])
+    result = finish(job, timeout=60)
+    wait_for_ranks_to_exit(pattern, begin, 60)
+    assert result.stdout.count("stopped by a signal") == 1  # rank 0's log line
+    assert re.search(r"exit code:\s*143", result.stdout, re.IGNORECASE) or \
+        result.returncode == 143, (result.returncode, result.stdout[-2000:])
     saved = sorted((work / "checkpoints").glob("step_*"))
     assert saved, "no checkpoint was written"
     meta = json.loads((saved[-1] / "meta.json").read_text())
     assert meta["step"] >= 2 and meta["world_size"] == 2
     assert (saved[-1] / "rank_0_softmax_weight.npy").is_file()
     assert (saved[-1] / "rank_1_softmax_weight.npy").is_file()
-    assert "stopped by a signal" in (work / "training.log").read_text()
+    # the SIGTERM checkpoint resumes: two more steps from where it stopped
+    more = config_file(tmp_path, synthetic, name="more.py", max_steps=meta["step"] + 2)
+    resumed = mpirun(2, train_args(more, tmp_path / "resumed", "--resume-from", str(work)))
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    steps = [line["step"] for line in logged(tmp_path / "resumed")["steps"]]
+    assert steps == [meta["step"] + 1, meta["step"] + 2]
 
 
 def test_divergence_stops_loudly_and_keeps_the_last_checkpoint(tmp_path, synthetic):
@@ -210,6 +188,30 @@ def test_divergence_stops_loudly_and_keeps_the_last_checkpoint(tmp_path, synthet
     if saved:  # every checkpoint that exists is complete and finite
         weights = np.load(saved[-1] / "rank_0_softmax_weight.npy")
         assert np.isfinite(weights).all()
+
+
+def test_an_update_that_makes_the_weights_non_finite_is_never_saved(tmp_path, synthetic):
+    """The loss of step 3 is finite (it is computed before the update), but the update
+    multiplies every weight by about -lr * weight_decay (the rate there is 2.5e29 of the
+    polynomial schedule; x 1e12 = 2.5e41): beyond float32, infinite. The save after it
+    must refuse on every rank, and the last good checkpoint (step 2) stays the newest."""
+    good = config_file(tmp_path, synthetic, max_steps=2, save_every=2)
+    assert mpirun(2, train_args(good, tmp_path / "run")).returncode == 0
+    bad = config_file(tmp_path, synthetic, name="bad.py", lr=1e30, weight_decay=1e12,
+                      max_steps=4, save_every=1)
+    result = mpirun(2, train_args(bad, tmp_path / "run", "--resume-from",
+                                  str(tmp_path / "run")))
+    assert result.returncode == 1, result.stdout[-3000:]
+    steps = [line for line in logged(tmp_path / "run")["steps"] if line["step"] == 3]
+    assert steps and np.isfinite(steps[0]["loss"])
+    message = re.findall(r"error: (.*)", result.stdout)
+    assert len(message) == 2 and message[0] == message[1], result.stdout[-3000:]
+    assert "ranks 0, 1: the weights became non-finite (NaN/Inf) at step 3: backbone " \
+           "parameter" in message[0]
+    assert f"the last good checkpoint, {tmp_path / 'run' / 'checkpoints' / 'step_000002'}, " \
+           "is untouched" in message[0]
+    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert saved == ["step_000002"]
 
 
 def test_bad_configurations_are_refused(tmp_path, synthetic):

@@ -25,7 +25,7 @@ def test_the_log_says_how_much_of_a_step_waits_for_data(tmp_path, data_seconds, 
     log = TrainingLog(tmp_path, enabled=True, total_steps=6, global_batch=8, frequent=3)
     for step, _ in enumerate(log.data_wait.timed(slow_batches(6, data_seconds)), start=1):
         time.sleep(step_seconds)
-        log.step(step, epoch=0, loss=1.0, lr=0.1, loss_scale=1.0)
+        log.step(step, epoch=0, loss=1.0, lr=0.1, loss_scale=1.0, images=8 * step)
     log.close()
     text = (tmp_path / "training.log").read_text()
     waits = [float(x) for x in re.findall(r"DataWait: ([\d.]+)%", text)]

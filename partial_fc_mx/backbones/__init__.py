@@ -10,15 +10,22 @@ from .mobilefacenet import MobileFaceNet
 NAMES = sorted([*DEPTHS, "mobilefacenet", "tiny"])
 
 
+def unknown_network(name: str) -> str | None:
+    """Why `name` names no backbone, or None when it names one."""
+    if name.replace("iresnet", "r") in NAMES:
+        return None
+    return f"unknown network {name!r}; choose one of {', '.join(NAMES)}"
+
+
 def get_model(name: str, embedding_size: int = 512, dropout: float = 0.0) -> HybridBlock:
     """`tiny` is a 3-stage IResNet with one unit per stage and 16-64 channels: small
     enough to train on a CPU in minutes (tests, the ORL default job)."""
+    if problem := unknown_network(name):
+        raise ValueError(problem)
     name = name.replace("iresnet", "r")
     if name in DEPTHS:
         return IResNet(DEPTHS[name], embedding_size=embedding_size, dropout=dropout)
     if name == "mobilefacenet":
         return MobileFaceNet(embedding_size, dropout)
-    if name == "tiny":
-        return IResNet((1, 1, 1), widths=(32, 64, 128), stem=16, stem_stride=2,
-                       embedding_size=embedding_size, dropout=dropout)
-    raise ValueError(f"unknown network {name!r}; choose one of {', '.join(NAMES)}")
+    return IResNet((1, 1, 1), widths=(32, 64, 128), stem=16, stem_stride=2,
+                   embedding_size=embedding_size, dropout=dropout)

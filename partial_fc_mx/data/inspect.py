@@ -10,7 +10,6 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import mxnet as mx
 import numpy as np
 
 from .recordio import RecordDataset, valid_class_ids
@@ -70,14 +69,14 @@ def inspect_dataset(directory: str, scan: bool = False, workers: int = 4) -> Ins
 def identity_record_problems(dataset: RecordDataset, labels: np.ndarray) -> list[str]:
     """The per-class records after the images must cover the images of one label each."""
     records = dataset.records
-    header = mx.recordio.unpack(records.read_bytes(0))[0]
+    header = records.unpack(0)[0]
     first, end = int(header.label[0]), int(header.label[1])
     problems = []
     for record_id in range(first, end):
         if record_id not in records.offsets:
             return [f"header record 0 promises identity records {first}..{end - 1}, but "
                     f"record {record_id} is not in {records.idx_path}"]
-        start, stop = (int(v) for v in mx.recordio.unpack(records.read_bytes(record_id))[0].label)
+        start, stop = (int(v) for v in records.unpack(record_id)[0].label)
         classes = set(labels[start - 1:stop - 1].tolist())
         if len(classes) != 1:
             problems.append(f"identity record {record_id} covers images {start}..{stop - 1} "

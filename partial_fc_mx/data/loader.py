@@ -1,10 +1,14 @@
 """Per-rank batches: disjoint shards of a global order reshuffled every epoch.
 
-Every rank computes the same permutation of the image ids from (seed, epoch) and
-takes every W-th id starting at its rank; the remainder that does not fill a
-global batch (B x W images) is dropped, so every rank yields exactly the same
-number of batches per epoch: unequal counts would leave a rank waiting forever in
-the next collective. Decoding runs in worker threads; a producer thread keeps
+Every rank computes the same permutation of the image ids from (seed, epoch). A
+global batch of G = B x W images takes the next G positions of that order, and
+rank r takes every W-th of them starting at r; the remainder that does not fill a
+global batch is dropped, so every rank yields exactly the same number of batches
+per epoch: unequal counts would leave a rank waiting forever in the next
+collective. Because a global batch is a run of positions, whatever W is, an epoch
+can be resumed at any image position on another number of processes: the rest of
+the order is trained on, nothing skipped or repeated. Mirror flags belong to
+positions too. Decoding runs in worker threads; a producer thread keeps
 `prefetch` batches ready.
 """
 
@@ -18,6 +22,7 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import horovod.mxnet as hvd
 import numpy as np
 
 from .. import dist
@@ -60,7 +65,10 @@ class FaceLoader:
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.num_workers, self.prefetch = max(1, num_workers), max(1, prefetch)
         self.mirror, self.skip_corrupt = mirror, skip_corrupt
-        self.steps_per_epoch = len(dataset) // (batch_size * world_size)
+        self.num_images = len(dataset)
+        """Images in one epoch's order (all ranks together)."""
+        self.global_batch = batch_size * world_size
+        self.steps_per_epoch = self.num_images // self.global_batch
         if self.steps_per_epoch == 0:
             raise DataError(f"{dataset.records.rec_path} has {len(dataset)} images, fewer than "
                             f"one global batch ({batch_size} x {world_size} processes); lower "
@@ -70,36 +78,55 @@ class FaceLoader:
     def __len__(self) -> int:
         return self.steps_per_epoch
 
-    def record_ids(self, epoch: int) -> np.ndarray:
-        """This rank's record ids for `epoch`, one row per batch (steps x B)."""
-        order = np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset))
-        mine = order[self.rank::self.world_size][: self.steps_per_epoch * self.batch_size]
-        return self.dataset.image_ids[mine].reshape(self.steps_per_epoch, self.batch_size)
+    def positions(self, start: int = 0) -> np.ndarray:
+        """This rank's positions in the epoch's order from image `start` on, one row per
+        batch: global batch k holds positions start + kG .. start + (k+1)G - 1."""
+        steps = (self.num_images - start) // self.global_batch
+        offsets = self.rank + self.world_size * np.arange(steps * self.batch_size)
+        return (start + offsets).reshape(steps, self.batch_size)
 
-    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[Batch]:
-        """The batches of one epoch from `start_step` on (to resume mid-epoch)."""
-        ids = self.record_ids(epoch)
-        mirrors = np.random.default_rng([self.seed, epoch, self.rank, 1]).random(ids.shape) < 0.5
-        mirrors &= self.mirror
+    def record_ids(self, epoch: int, start: int = 0) -> np.ndarray:
+        """This rank's record ids for `epoch` from image `start` on (steps x B)."""
+        order = np.random.default_rng([self.seed, epoch]).permutation(self.num_images)
+        return self.dataset.image_ids[order[self.positions(start)]]
+
+    def mirror_flags(self, epoch: int, start: int = 0) -> np.ndarray:
+        """Which of this rank's images are mirrored: one random bit per position of the
+        epoch (packed, so N images cost N / 8 bytes), independent of the world size."""
+        positions = self.positions(start)
+        if not self.mirror:
+            return np.zeros(positions.shape, bool)
+        bits = np.frombuffer(np.random.default_rng([self.seed, epoch, 1]).bytes(
+            (self.num_images + 7) // 8), np.uint8)
+        return (bits[positions >> 3] >> (positions & 7)) & 1 == 1
+
+    def epoch(self, epoch: int, start: int = 0) -> Iterator[Batch]:
+        """The batches of one epoch from image `start` of its order on (to resume)."""
+        ids, mirrors = self.record_ids(epoch, start), self.mirror_flags(epoch, start)
         ready: queue.Queue = queue.Queue(maxsize=self.prefetch)
         stop = threading.Event()
 
+        def offer(item) -> bool:
+            """Put `item` unless the consumer has gone; a stopped consumer no longer
+            takes batches, so a blocking put could wait forever."""
+            while not stop.is_set():
+                try:
+                    ready.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
         def produce() -> None:
-            with ThreadPoolExecutor(self.num_workers, thread_name_prefix="decode") as pool:
-                for step in range(start_step, self.steps_per_epoch):
-                    try:
-                        item = self._load_batch(pool, ids[step], mirrors[step])
-                    except Exception as error:  # handed to the consumer, raised there
-                        item = error
-                    while not stop.is_set():
-                        try:
-                            ready.put(item, timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
-                    if stop.is_set() or isinstance(item, Exception):
-                        return
-            ready.put(None)
+            try:
+                with ThreadPoolExecutor(self.num_workers, thread_name_prefix="decode") as pool:
+                    for row in range(len(ids)):
+                        if not offer(self._load_batch(pool, ids[row], mirrors[row])):
+                            return
+            except Exception as error:  # handed to the consumer, raised there
+                offer(error)
+                return
+            offer(None)
 
         producer = threading.Thread(target=produce, daemon=True, name="batches")
         producer.start()
@@ -166,8 +193,10 @@ def in_step(batches: Iterator[Batch]) -> Iterator[Batch]:
 
     A DataError on one rank (a corrupt record in its shard) is raised on every rank,
     with every failing rank's message, instead of leaving the others waiting in the
-    next collective. Costs one tiny allreduce per step.
+    next collective; so is a rank running out of batches before the others (hosts
+    whose copies of the dataset differ). Costs one tiny allreduce per step.
     """
+    count = 0
     while True:
         batch, error = None, None
         try:
@@ -176,11 +205,19 @@ def in_step(batches: Iterator[Batch]) -> Iterator[Batch]:
             pass
         except DataError as failure:
             error = failure
-        messages = dist.errors_on_any_rank(error, name="data")
-        if messages:
-            raise DataError("; ".join(messages))
-        if batch is None:
+        failed, ready = dist.sum_over_ranks([error is not None, batch is not None], name="data")
+        dist.raise_on_every_rank(error, name="data", failed=failed > 0)
+        if 0 < ready < hvd.size():
+            counts = dist.allgather_object(count + (batch is not None), name="data.counts")
+            raise DataError(
+                "the ranks disagree about the end of the epoch: "
+                + ", ".join(f"rank {r} has {n}{'+' if n > count else ''} batches"
+                            for r, n in enumerate(counts))
+                + ". Their copies of the dataset differ (compare train.idx on every host, "
+                "or run the preflight: python -m partial_fc_mx check)")
+        if not ready:
             return
+        count += 1
         yield batch
 
 
@@ -206,16 +243,19 @@ class WaitTimer:
 class RandomLoader:
     """Throughput mode: random tensors of the right shape, no decoding at all."""
 
-    def __init__(self, batch_size: int, num_classes: int, steps_per_epoch: int, seed: int = 0):
+    def __init__(self, batch_size: int, num_classes: int, num_images: int,
+                 world_size: int = 1, seed: int = 0) -> None:
         rng = np.random.default_rng(seed)
-        self.steps_per_epoch, self.num_classes = steps_per_epoch, num_classes
+        self.num_images, self.num_classes = num_images, num_classes
+        self.global_batch = batch_size * world_size
+        self.steps_per_epoch = num_images // self.global_batch
         self.images = rng.standard_normal((batch_size, 3, FACE_SIZE, FACE_SIZE), np.float32)
         self.rng = rng
 
     def __len__(self) -> int:
         return self.steps_per_epoch
 
-    def epoch(self, epoch: int, start_step: int = 0) -> Iterator[Batch]:
-        for _ in range(start_step, self.steps_per_epoch):
+    def epoch(self, epoch: int, start: int = 0) -> Iterator[Batch]:
+        for _ in range((self.num_images - start) // self.global_batch):
             labels = self.rng.integers(0, self.num_classes, len(self.images))
             yield Batch(self.images, labels)

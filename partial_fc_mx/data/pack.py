@@ -118,8 +118,20 @@ def read_list(lst: Path) -> list[tuple[int, str]]:
         fields = line.split("\t")
         if len(fields) < 3:
             raise DataError(f"{lst} line {number} is not 'index<TAB>label<TAB>path': {line!r}")
-        entries.append((int(float(fields[1])), fields[-1]))
+        entries.append((class_id(fields[1], f"{lst} line {number}"), fields[-1]))
     return entries
+
+
+def class_id(text: str, where: str) -> int:
+    """A .lst label: a whole number >= 0 (im2rec writes it as a float, e.g. '3.000000')."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (value >= 0 and value.is_integer()):
+        raise DataError(f"{where}: label {text!r} is not a class id (a whole number >= 0); "
+                        "fix the list, whose second column is the identity's number")
+    return int(value)
 
 
 def list_samples(entries: list[tuple[int, str]], root: Path, crop: bool,

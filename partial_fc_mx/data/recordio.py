@@ -21,6 +21,8 @@ from pathlib import Path
 import mxnet as mx
 import numpy as np
 
+from ..durable import file_record
+
 MAGIC = 0xCED7230A
 _MAGIC_BYTES = struct.pack("<I", MAGIC)
 _LENGTH_MASK = (1 << 29) - 1
@@ -85,9 +87,25 @@ class RecordFile:
                 return _MAGIC_BYTES.join(parts)
 
     def read(self, record_id: int) -> Record:
-        header, image = mx.recordio.unpack(self.read_bytes(record_id))
+        header, image = self.unpack(record_id)
         label = header.label if np.isscalar(header.label) else header.label[0]
         return Record(record_id, float(label), image)
+
+    def unpack(self, record_id: int) -> tuple:
+        """(IRHeader, payload) of a record; a damaged header is a DataError."""
+        raw = self.read_bytes(record_id)
+        try:
+            return mx.recordio.unpack(raw)
+        except (struct.error, ValueError) as error:
+            raise DataError(f"{self.rec_path}: record {record_id} has a damaged header "
+                            f"({len(raw)} bytes: {error}). Re-pack the data, or restore the "
+                            "file from a good copy") from error
+
+    def fingerprint(self) -> dict:
+        """Record count and the index file's size and CRC-32: ranks whose copies of the
+        dataset differ would yield different batch counts and hang in a collective."""
+        return {"records": len(self.offsets), **file_record(self.idx_path),
+                "rec_bytes": self.size}
 
     def _truncated(self, record_id: int, offset: int) -> DataError:
         return DataError(f"{self.rec_path} is truncated: record {record_id} at byte {offset} "
@@ -129,7 +147,7 @@ class RecordDataset:
         keys = sorted(self.records.offsets)
         if not keys:
             return np.empty(0, np.int64)
-        header, payload = mx.recordio.unpack(self.records.read_bytes(keys[0]))
+        header, payload = self.records.unpack(keys[0])
         if keys[0] != 0 or header.flag == 0 or payload:
             return np.array(keys, np.int64)  # no header record (im2rec)
         self.has_header = True

@@ -9,7 +9,6 @@ least 1 / FAR of them).
 
 from __future__ import annotations
 
-import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +17,9 @@ import numpy as np
 
 from ..data.recordio import DataError
 from ..data.transforms import decode_face, to_network_input
+from ..data.verification_set import read_verification_bin
+
+FOLDS = 10
 
 
 @dataclass
@@ -39,17 +41,14 @@ class VerificationResult:
 
 def load_bin(path: str | Path) -> VerificationSet:
     path = Path(path)
-    try:
-        with open(path, "rb") as f:
-            images, issame = pickle.load(f, encoding="bytes")
-    except FileNotFoundError:
-        raise DataError(f"verification set {path} does not exist") from None
-    except Exception as error:
-        raise DataError(f"{path} is not an insightface .bin (a pickle of (images, issame)): "
-                        f"{error}") from error
+    images, issame = read_verification_bin(path)
     if len(images) != 2 * len(issame):
         raise DataError(f"{path} holds {len(images)} images for {len(issame)} pairs; "
                         "a .bin needs exactly two images per pair")
+    if len(issame) < FOLDS:
+        raise DataError(f"{path} holds {len(issame)} pairs; the {FOLDS}-fold protocol needs "
+                        f"at least {FOLDS} (a threshold is chosen on nine folds, scored on "
+                        "the tenth)")
     decoded = []
     for i, data in enumerate(images):
         face, _ = decode_face(bytes(data))
@@ -84,7 +83,7 @@ def pair_similarities(embeddings: np.ndarray) -> np.ndarray:
 
 
 def ten_fold_accuracy(similarity: np.ndarray, issame: np.ndarray,
-                      folds: int = 10) -> VerificationResult:
+                      folds: int = FOLDS) -> VerificationResult:
     """Threshold chosen on the other folds, accuracy measured on the held-out one."""
     order = np.arange(len(issame))
     accuracies, thresholds = [], []
