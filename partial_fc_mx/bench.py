@@ -309,6 +309,10 @@ def run_save(args) -> None:
         def plain() -> None:
             np.save(path, shard)
 
+        def plain_fsync() -> None:
+            np.save(path, shard)
+            durable.fsync_path(path)
+
         def durable_write() -> None:
             durable.write_file(path, lambda f: np.save(f, shard))
 
@@ -317,7 +321,8 @@ def run_save(args) -> None:
 
         megabytes = shard.nbytes / 2**20
         timings = {name: median_ms(run, args.repeats) for name, run in
-                   (("np.save", plain), ("checksummed + fsync", durable_write),
+                   (("np.save", plain), ("np.save + fsync", plain_fsync),
+                    ("checksummed + fsync", durable_write),
                     ("verify (read back + CRC-32)", verify))}
     print(f"one shard of {args.rows} x {args.embedding_size} float32 ({megabytes:.0f} MiB) "
           f"in {args.dir or tempfile.gettempdir()}:")

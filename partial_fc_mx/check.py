@@ -43,8 +43,6 @@ class RankInfo:
     free_memory: int
     memory_need: MemoryEstimate
     problems: list
-    dataset: dict | None = None
-    """The dataset's fingerprint (record count, train.idx size and checksum)."""
 
 
 def run_check(config: Config, checkpoint: str | None = None) -> int:
@@ -61,15 +59,15 @@ def run_check(config: Config, checkpoint: str | None = None) -> int:
         free_memory(ctx, world.local_size), need, [],
     )
     info.problems += check_gpu_driver()
-    info.problems += check_dataset(config)
+    dataset_problems, fingerprint = check_dataset(config)
+    info.problems += dataset_problems
     info.problems += check_memory(need, info.free_memory)
-    info.dataset = dataset_fingerprint(config)
     everyone = dist.allgather_object(info, name="preflight")
     problems = [f"rank {i.rank} ({i.host}): {p}" for i in everyone for p in i.problems]
     problems = deduplicate_across_ranks(problems)
     if world.size > 1:  # every rank takes part: it is a collective
         problems += workdir.sharing_problems(Path(config.output), world)
-    if disagreement := dataset_disagreement([(i.rank, i.host, i.dataset) for i in everyone]):
+    if disagreement := dataset_disagreement_across_ranks(fingerprint):
         problems.append(disagreement)
     resumable = None
     if checkpoint:
@@ -141,40 +139,34 @@ def check_gpu_driver() -> list[str]:
     return []
 
 
-def check_dataset(config: Config) -> list[str]:
-    """The dataset opens as the trainer will open it; the verification sets exist."""
+def check_dataset(config: Config) -> tuple[list[str], dict | None]:
+    """The dataset opens as the trainer will open it; the verification sets exist.
+    Returns the problems and the dataset's fingerprint (None when it did not open)."""
     if not config.rec:
-        return ["the config sets no `rec` directory; set rec=/path/to/dataset"]
+        return ["the config sets no `rec` directory; set rec=/path/to/dataset"], None
     if config.rec == "random":  # speed runs: random tensors, no files
-        return []
-    problems = []
+        return [], None
+    problems, fingerprint = [], None
     try:
-        RecordDataset(config.rec, config.num_classes)
+        fingerprint = RecordDataset(config.rec, config.num_classes).records.fingerprint()
     except DataError as error:
         problems.append(str(error))
     problems += [f"verification set {path} is missing; fix `val_targets` or copy it there"
                  for path in config.val_paths() if not path.is_file()]
-    return problems
+    return problems, fingerprint
 
 
-def dataset_fingerprint(config: Config) -> dict | None:
-    if config.rec == "random":
-        return None
-    try:
-        return RecordDataset(config.rec, config.num_classes).records.fingerprint()
-    except DataError:
-        return None  # reported by check_dataset
-
-
-def dataset_disagreement(copies: list[tuple[int, str, dict | None]]) -> str | None:
-    """One problem line when the ranks' copies of the dataset differ: they would
-    yield different numbers of batches and wait for each other in a collective."""
+def dataset_disagreement_across_ranks(fingerprint: dict | None) -> str | None:
+    """Called by every rank with its dataset's fingerprint (record count, train.idx size
+    and CRC-32): one problem line, the same on every rank, when the copies differ. They
+    would yield different numbers of batches and wait for each other in a collective."""
+    copies = dist.allgather_object((socket.gethostname(), fingerprint), name="dataset.copies")
     groups: dict[str, list[str]] = {}
-    for rank, host, fingerprint in copies:
-        if fingerprint is not None:
-            described = (f"{fingerprint['records']} records, train.idx of "
-                         f"{fingerprint['bytes']} bytes with CRC-32 {fingerprint['crc32']:08x}, "
-                         f"train.rec of {fingerprint['rec_bytes']} bytes")
+    for rank, (host, copy) in enumerate(copies):
+        if copy is not None:
+            described = (f"{copy['records']} records, train.idx of {copy['bytes']} bytes "
+                         f"with CRC-32 {copy['crc32']:08x}, train.rec of "
+                         f"{copy['rec_bytes']} bytes")
             groups.setdefault(described, []).append(f"{rank} ({host})")
     if len(groups) < 2:
         return None

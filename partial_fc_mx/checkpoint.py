@@ -43,6 +43,7 @@ from .partial_fc import PartialFC, shard_of
 
 CHECKPOINTS = "checkpoints"
 BACKBONE, OPTIMIZER, META = "backbone.params", "backbone_optimizer.npz", "meta.json"
+BEST = "backbone-best.json"
 FORMAT = 2  # meta.json's "format": bumped when the layout above changes
 
 
@@ -101,42 +102,43 @@ def rank_files(rank: int) -> list[str]:
 # ----- saving -----
 def save(work_dir: Path, state: TrainState, net, trainer, pfc: PartialFC,
          world: dist.World, keep: int) -> Path:
-    """Write a checkpoint of `state` on every rank; returns its directory."""
+    """Write a checkpoint of `state` on every rank; returns its directory. Any rank's
+    failure (a full disk, a non-finite weight) is raised on every rank."""
     refuse_non_finite(net, pfc, state.step, work_dir)
     root = Path(work_dir) / CHECKPOINTS
-    name = checkpoint_name(state.step)
-    partial = root / f".{name}.partial"
-    if world.is_main:
+    final = root / checkpoint_name(state.step)
+    partial = root / f".{final.name}.partial"
+
+    def prepare() -> None:
         remove_stale(root)
         partial.mkdir(parents=True)
-    dist.barrier("checkpoint.start")
-    files, error = {}, None
-    try:
-        files = write_rank_files(partial, net, trainer, pfc, world)
-    except OSError as failure:
-        error = CheckpointError(f"could not write checkpoint {partial}: {failure}")
-    dist.raise_on_every_rank(error, name="checkpoint.written")
+
+    agreed(prepare, "checkpoint.start", f"could not start checkpoint {partial}", world.is_main)
+    files = agreed(lambda: write_rank_files(partial, net, trainer, pfc, world),
+                   "checkpoint.written", f"could not write checkpoint {partial}")
     table = {}
     for part in dist.allgather_object(files, name="checkpoint.files"):
         table.update(part)
-    final, error = root / name, None
-    if world.is_main:
-        try:
-            meta = {"format": FORMAT, **asdict(state), "world_size": world.size,
-                    "num_classes": pfc.num_classes, "embedding_size": pfc.embedding_size,
-                    "shards": [list(asdict(shard_of(pfc.num_classes, r, world.size)).values())
-                               for r in range(world.size)],
-                    "files": dict(sorted(table.items()))}
-            durable.write_file(partial / META, lambda f: f.write(json.dumps(meta, indent=1)
-                                                                 .encode()))
-            publish(partial, final)
-            for old in checkpoints(work_dir)[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
-            save_backbone(net, Path(work_dir) / "backbone")
-        except OSError as failure:
-            error = CheckpointError(f"could not finish checkpoint {final}: {failure}")
-    dist.raise_on_every_rank(error, name="checkpoint.done")
+
+    def finish() -> None:
+        meta = {"format": FORMAT, **asdict(state), "world_size": world.size,
+                "num_classes": pfc.num_classes, "embedding_size": pfc.embedding_size,
+                "shards": [list(asdict(shard_of(pfc.num_classes, r, world.size)).values())
+                           for r in range(world.size)],
+                "files": dict(sorted(table.items()))}
+        durable.write_file(partial / META, lambda f: f.write(json.dumps(meta, indent=1)
+                                                             .encode()))
+        publish(partial, final)
+        prune(work_dir, state.step, keep)
+        save_backbone(net, Path(work_dir) / "backbone")
+
+    agreed(finish, "checkpoint.done", f"could not finish checkpoint {final}", world.is_main)
     return final
+
+
+def agreed(action, name: str, context: str, on: bool = True):
+    """`action` where `on`; a failure on any rank is a CheckpointError on every rank."""
+    return dist.run_agreed(action, name, (CheckpointError,), CheckpointError, context, on)
 
 
 def refuse_non_finite(net, pfc: PartialFC, step: int, work_dir: Path) -> None:
@@ -182,31 +184,45 @@ def write_rank_files(directory: Path, net, trainer, pfc: PartialFC,
 
 
 def publish(partial: Path, final: Path) -> None:
-    """Rename the finished directory into place. Saving a step again (a resumed run
-    that stops where it started) moves the old copy aside first and removes it only
-    once the new one is in place."""
-    replaced = final.with_name(f".{final.name}.replaced")
+    """Rename the finished directory into place. A directory already there (copied in
+    by hand: a run never saves a step twice) is moved aside, never deleted."""
     if final.exists():
-        shutil.rmtree(replaced, ignore_errors=True)
-        os.replace(final, replaced)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        os.replace(final, final.with_name(f"{final.name}.replaced-{stamp}"))
     durable.replace(partial, final)
-    shutil.rmtree(replaced, ignore_errors=True)
+
+
+def prune(work_dir: Path, step: int, keep: int) -> None:
+    """Keep the newest `keep` checkpoints up to `step`. Each old one is renamed out of
+    sight first, so a kill during the deletion never leaves a half-deleted directory
+    that looks like a checkpoint."""
+    mine = [p for p in checkpoints(work_dir) if step_of(p) <= step]
+    for old in mine[:-keep]:
+        doomed = old.with_name(f".{old.name}.deleting")
+        os.replace(old, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
 
 
 def remove_stale(root: Path) -> None:
-    """Leftovers of saves that were killed (each may hold a full copy of the centers)."""
-    for stale in [*root.glob(".step_*.partial"), *root.glob(".step_*.replaced")]:
+    """Leftovers of saves and deletions that were killed (each may hold a full copy of
+    the centers); none of them is a checkpoint."""
+    for stale in [*root.glob(".step_*.partial"), *root.glob(".step_*.deleting")]:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def set_aside_earlier_run(work_dir: Path) -> Path | None:
-    """A new run (no --resume-from) into a work dir that holds checkpoints moves them
-    to checkpoints-before-<time>/: its own saves would otherwise be pruned in favour
-    of the old run's higher steps, and a later resume would pick the old run."""
-    if not checkpoints(work_dir):
+def set_aside(work_dir: Path, newer_than: int = -1) -> Path | None:
+    """Move the checkpoints past step `newer_than` (all, for a run starting at step 0)
+    to checkpoints-before-<time>/. A run's own saves must be its newest checkpoints:
+    otherwise pruning would delete them in favour of another run's higher steps, and a
+    later resume would pick that run."""
+    newer = [p for p in checkpoints(work_dir) if step_of(p) > newer_than]
+    if not newer:
         return None
     aside = Path(work_dir) / f"{CHECKPOINTS}-before-{time.strftime('%Y%m%d-%H%M%S')}"
-    os.replace(Path(work_dir) / CHECKPOINTS, aside)
+    aside.mkdir()
+    for path in newer:
+        os.replace(path, aside / path.name)
+    durable.fsync_path(Path(work_dir) / CHECKPOINTS)
     return aside
 
 
@@ -221,33 +237,67 @@ def save_backbone(net, prefix: str | os.PathLike) -> None:
         durable.replace(f"{tmp}{suffix}", f"{prefix}{suffix}")
 
 
+def save_best(net, work_dir: Path, accuracy: float, step: int) -> None:
+    """backbone-best-* and backbone-best.json (its accuracy and step): the record
+    survives a crash before the next checkpoint, so a resume never replaces the best
+    model by a worse one."""
+    save_backbone(net, Path(work_dir) / "backbone-best")
+    record = json.dumps({"accuracy": accuracy, "step": step}).encode()
+    durable.write_atomically(Path(work_dir) / BEST,
+                             lambda tmp: durable.write_file(tmp, lambda f: f.write(record)))
+
+
+def best_on_disk(work_dir: Path) -> tuple[float, int]:
+    """(accuracy, step) of work_dir's backbone-best-*, (-1, 0) when there is none."""
+    try:
+        record = json.loads((Path(work_dir) / BEST).read_text())
+        return float(record["accuracy"]), int(record["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return -1.0, 0
+
+
 # ----- verifying -----
-def verify(checkpoint: Path, rank: int = 0, world_size: int = 1) -> list[str]:
+def verify(checkpoint: Path, rank: int = 0, world_size: int = 1,
+           weights_only: bool = False) -> list[str]:
     """What is wrong with a checkpoint, [] when nothing. Every rank checks every
-    file's size and the checksums of its share of the files (i % world_size)."""
+    file's size and the checksums of its share of the files (i % world_size).
+    `weights_only` (--load-from) also accepts the first format, which listed no files:
+    its backbone and shards are read without checksums (none of them is a pickle)."""
     try:
         meta = json.loads((checkpoint / META).read_text())
-        files, saved_world = meta["files"], meta["world_size"]
+        saved_world = int(meta["world_size"])
+        if weights_only and "files" not in meta:
+            return [f"{checkpoint / name} is missing" for name in weight_files(saved_world)
+                    if not (checkpoint / name).is_file()]
+        files = {str(name): (int(r["bytes"]), int(r["crc32"]))
+                 for name, r in meta["files"].items()}
     except FileNotFoundError:
         return [f"{checkpoint / META} is missing"]
-    except (ValueError, KeyError, TypeError) as error:
-        return [f"{checkpoint / META} is damaged or from an older version ({error!r})"]
-    expected = [BACKBONE, OPTIMIZER, *(n for r in range(saved_world) for n in rank_files(r))]
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        return [f"{checkpoint / META} is damaged or from an older version ({error!r}); "
+                "an older checkpoint can be used with --load-from (weights only)"]
+    expected = [OPTIMIZER, *weight_files(saved_world),
+                *(rank_files(r)[2] for r in range(saved_world))]
     problems = [f"{checkpoint / name} is not listed in meta.json" for name in expected
                 if name not in files]
-    for i, (name, record) in enumerate(sorted(files.items())):
+    for i, (name, (size, crc)) in enumerate(sorted(files.items())):
         path = checkpoint / name
-        if not path.is_file():
+        actual = path.stat().st_size if path.is_file() else None
+        if actual is None:
             problems.append(f"{path} is missing")
-        elif path.stat().st_size != record["bytes"]:
-            problems.append(f"{path} has {path.stat().st_size} bytes, meta.json says "
-                            f"{record['bytes']} (truncated?)")
-        elif i % world_size == rank and durable.file_record(path)["crc32"] != record["crc32"]:
+        elif actual != size:
+            problems.append(f"{path} has {actual} bytes, meta.json says {size} (truncated?)")
+        elif i % world_size == rank and durable.file_record(path)["crc32"] != crc:
             problems.append(f"{path} does not match its checksum in meta.json (damaged)")
     return problems
 
 
-def find_resumable(path: str | os.PathLike, world: dist.World) -> tuple[Path, list[str]]:
+def weight_files(world_size: int) -> list[str]:
+    return [BACKBONE, *(name for r in range(world_size) for name in rank_files(r)[:2])]
+
+
+def find_resumable(path: str | os.PathLike, world: dist.World,
+                   weights_only: bool = False) -> tuple[Path, list[str]]:
     """The checkpoint to resume from and notes on those skipped, the same on every rank.
 
     `path` is a checkpoint (it must verify) or a work dir: then the newest of its
@@ -261,8 +311,8 @@ def find_resumable(path: str | os.PathLike, world: dist.World) -> tuple[Path, li
         name="resume.candidates")[0]
     notes = []
     for candidate in map(Path, candidates):
-        problems = dist.allgather_object(verify(candidate, world.rank, world.size),
-                                         name="resume.verify")
+        problems = dist.allgather_object(
+            verify(candidate, world.rank, world.size, weights_only), name="resume.verify")
         problems = sorted({p for rank_problems in problems for p in rank_problems})
         if not problems:
             return candidate, notes
@@ -312,6 +362,9 @@ def saved_rows(path: Path, shape: tuple) -> np.ndarray:
     except ValueError as error:
         raise CheckpointError(f"{path} holds no plain array of numbers ({error}); it is not "
                               "a shard this program wrote") from error
+    if not isinstance(rows, np.ndarray):  # an .npz archive under an .npy name
+        raise CheckpointError(f"{path} is not a .npy array file; it is not a shard this "
+                              "program wrote")
     if rows.dtype.kind != "f" or rows.shape != tuple(shape):
         raise CheckpointError(f"{path} holds a {rows.dtype} array of shape {rows.shape}, "
                               f"meta.json records {tuple(shape)} floats")

@@ -71,11 +71,15 @@ class Config:
     momentum: float = 0.9
     weight_decay: float = 5e-4
     num_epoch: int = 20
-    warmup_epoch: int = 0
+    warmup_epoch: float = 0.0
+    """Epochs of linear warmup (fractions allowed)."""
     lr_steps: list = field(default_factory=list)
-    """Multi-step schedule (global steps, lr x 0.1 at each); empty: polynomial decay."""
+    """Multi-step schedule: lr x 0.1 after each of these steps, counted in steps of the
+    global batch the run started with (schedule.py); empty: polynomial decay."""
     max_steps: int = 0
-    """Stop after this many steps; 0: num_epoch epochs."""
+    """Stop after this many steps of the global batch the run started with (a run
+    resumed on more processes takes fewer, larger steps to get there); 0: num_epoch
+    epochs."""
     clip_grad: float = 0.0
     """Clip the backbone's global gradient norm to this; 0: no clipping."""
     seed: int = 2048

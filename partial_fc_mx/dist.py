@@ -6,10 +6,15 @@ same `hvd.init()`; a plain `python -m partial_fc_mx ...` is a world of one.
 
 from __future__ import annotations
 
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import horovod.mxnet as hvd
 import mxnet as mx
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -27,6 +32,10 @@ class World:
 def init() -> World:
     hvd.init()
     return World(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size())
+
+
+def world_size() -> int:
+    return hvd.size()
 
 
 def device(local_rank: int) -> mx.Context:
@@ -96,14 +105,42 @@ def raise_on_every_rank(error: Exception | None, name: str, failed: bool | None 
     if not failed:
         return
     mine = None if error is None else (type(error), str(error))
+    if error is not None and not constructible_from_message(type(error)):
+        mine = (RuntimeError, f"{type(error).__name__}: {error}")
     everyone = allgather_object(mine, name=f"{name}.errors")
     kinds, ranks_of = [], {}
     for rank, item in enumerate(everyone):
         if item is not None:
             kinds.append(item[0])
             ranks_of.setdefault(item[1], []).append(str(rank))
-    if len(everyone) == 1:
-        raise kinds[0](mine[1])
-    message = "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}: {text}"
-                        for text, ranks in ranks_of.items())
+    message = mine[1] if len(everyone) == 1 else "; ".join(
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}: {text}"
+        for text, ranks in ranks_of.items())
     raise kinds[0](message)
+
+
+def constructible_from_message(kind: type) -> bool:
+    try:
+        kind("message")
+    except Exception:  # e.g. UnicodeDecodeError needs five arguments
+        return False
+    return True
+
+
+def run_agreed(action: Callable[[], T], name: str, expected: tuple, wrap: type,
+               context: str, on: bool = True) -> T | None:
+    """`action()` on the ranks where `on` is true (e.g. rank 0 only); if it fails on
+    any rank, every rank raises together. Errors of the `expected` types keep their
+    message; anything else (a disk error, an MXNetError) becomes `wrap(context: ...)`,
+    with its traceback printed on the rank where it happened."""
+    result, error = None, None
+    if on:
+        try:
+            result = action()
+        except expected as failure:
+            error = failure
+        except Exception as failure:  # reported on every rank
+            traceback.print_exc()
+            error = wrap(f"{context}: {type(failure).__name__}: {failure}")
+    raise_on_every_rank(error, name)
+    return result

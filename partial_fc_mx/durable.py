@@ -10,6 +10,7 @@ tampering, and cost far less than the write itself (docs/benchmarks.md).
 
 from __future__ import annotations
 
+import errno
 import os
 import zlib
 from collections.abc import Callable
@@ -20,10 +21,15 @@ CHUNK = 16 * 2**20
 
 
 def fsync_path(path: str | os.PathLike) -> None:
-    """Flush a file's or a directory's contents and metadata to the disk."""
+    """Flush a file's or a directory's contents and metadata to the disk. Some file
+    systems (FUSE, CIFS, some parallel ones) cannot fsync a directory (EINVAL,
+    ENOTSUP): there a directory's entries are as durable as the file system makes them."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as error:
+        if not (os.path.isdir(path) and error.errno in (errno.EINVAL, errno.ENOTSUP)):
+            raise
     finally:
         os.close(fd)
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from . import checkpoint, dist, workdir
 from .backbones import get_model
-from .check import dataset_disagreement
+from .check import dataset_disagreement_across_ranks
 from .checkpoint import CheckpointError, TrainState
 from .config import Config, ConfigError
 from .data.loader import Batch, FaceLoader, RandomLoader, in_step
@@ -88,15 +88,17 @@ class Run:
 
 
 def train(config: Config, resume_from: str | None = None, load_from: str | None = None) -> int:
+    faulthandler.enable()
+    watch(config.stall_timeout)  # start-up too: a rank stuck in a file system or a link
+    stop = StopRequest()
     run = start(config, resume_from, load_from)
     state, plan, log = run.state, run.plan, run.log
-    stop = StopRequest()
-    faulthandler.enable()
     first_step = state.step
     try:
         for batch in batches_to_the_end(run):
             watch(config.stall_timeout)
-            lr = plan.learning_rate(config.lr, plan.position(state.epoch, state.images_in_epoch))
+            epoch = state.epoch
+            lr = plan.learning_rate(config.lr, plan.position(epoch, state.images_in_epoch))
             mx.random.seed(config.seed + 7919 * state.step + run.world.rank)  # dropout, resumable
             loss = train_step(run, batch, lr)
             state.step += 1
@@ -107,14 +109,13 @@ def train(config: Config, resume_from: str | None = None, load_from: str | None 
                     "without saving. The last good checkpoint is untouched: lower lr or "
                     "set clip_grad, then resume with --resume-from")
             done = plan.done(state.epoch, state.images_in_epoch)
-            log.step(state.step, state.epoch, loss, lr, run.scaler.scale, state.images_seen)
-            if run.validation and (state.step % config.verbose == 0 or done):
-                evaluate(run)  # before saving: the checkpoint keeps the best accuracy
+            log.step(state.step, epoch, loss, lr, run.scaler.scale, state.images_seen)
             stopping = dist.any_rank(stop.signal is not None, name="stop")
-            epoch_ended = state.images_in_epoch == 0 and not config.save_every
-            if stopping or done or epoch_ended or (config.save_every and
-                                                   state.step % config.save_every == 0):
-                save(run)
+            if config.val_targets and not stopping and (state.step % config.verbose == 0
+                                                        or done):
+                evaluate(run)  # before saving: the checkpoint keeps the best accuracy
+            if stopping or done or saving_due(config, state):
+                save(run, export=not stopping)  # a scheduler's grace period is short
             if stopping:
                 log.info(f"stopped by a signal at step {state.step}; resume with "
                          f"--resume-from {run.work_dir}")
@@ -124,7 +125,7 @@ def train(config: Config, resume_from: str | None = None, load_from: str | None 
         watch(config.stall_timeout)  # the closing evaluation too
         if state.step == first_step:
             log.info(f"nothing left to train: step {state.step} is the end of the run")
-            if run.validation:
+            if config.val_targets:
                 evaluate(run)
         if run.validation and config.report_baseline:
             report_baseline(run)
@@ -132,6 +133,13 @@ def train(config: Config, resume_from: str | None = None, load_from: str | None 
     finally:
         faulthandler.cancel_dump_traceback_later()
         log.close()
+
+
+def saving_due(config: Config, state: TrainState) -> bool:
+    """Every `save_every` steps, or (save_every = 0) when an epoch has just ended."""
+    if config.save_every:
+        return state.step % config.save_every == 0
+    return state.images_in_epoch == 0
 
 
 def watch(stall_timeout: int) -> None:
@@ -146,8 +154,11 @@ def batches_to_the_end(run: Run) -> Iterator[Batch]:
     """Every batch from the run's position to its end, epoch after epoch; each epoch
     starts where the state stands in it (a resumed run: mid-epoch)."""
     while not run.plan.done(run.state.epoch, run.state.images_in_epoch):
-        epoch = run.loader.epoch(run.state.epoch, run.state.images_in_epoch)
-        yield from in_step(run.log.data_wait.timed(epoch))
+        epoch = run.state.epoch
+        yield from in_step(run.log.data_wait.timed(
+            run.loader.epoch(epoch, run.state.images_in_epoch)))
+        if run.state.epoch == epoch:  # advance() moves on after an epoch's last batch
+            raise TrainingError(f"epoch {epoch} ended before its last global batch")
 
 
 # ----- start-up -----
@@ -156,8 +167,8 @@ def start(config: Config, resume_from: str | None, load_from: str | None) -> Run
     world = dist.init()
     ctx = dist.device(world.local_rank)
     mx.random.seed(config.seed)
-    error = None
-    try:  # local work only: no collective until every rank has got through it
+
+    def prepare() -> tuple:  # local work only: no collective until every rank is through
         config.check_world_size(world.size)
         work_dir = workdir.create(config.output)
         dataset, loader = make_loader(config, world)
@@ -168,12 +179,14 @@ def start(config: Config, resume_from: str | None, load_from: str | None) -> Run
                         margin=tuple(config.margin_list), scale=config.scale,
                         momentum=config.momentum, weight_decay=config.weight_decay,
                         fp16_centers=config.fp16_centers, seed=config.seed)
-        trainer = make_trainer(config, net)
-    except USER_ERRORS as failure:
-        error = failure
-    dist.raise_on_every_rank(error, name="start")
+        return work_dir, dataset, loader, validation, net, pfc, make_trainer(config, net)
+
+    work_dir, dataset, loader, validation, net, pfc, trainer = dist.run_agreed(
+        prepare, "start", USER_ERRORS, TrainingError, "start-up failed")
     workdir.check_shared(work_dir, world)
-    check_same_dataset(dataset, world)
+    if problem := dataset_disagreement_across_ranks(
+            dataset.records.fingerprint() if dataset is not None else None):
+        raise DataError(problem)
     state, notes = restore(config, world, ctx, work_dir, net, trainer, pfc,
                            resume_from, load_from)
     dist.broadcast_parameters(net.collect_params(), root_rank=0)
@@ -193,7 +206,7 @@ def start(config: Config, resume_from: str | None, load_from: str | None) -> Run
     scaler = LossScaler(dynamic=config.fp16, scale=state.loss_scale if resume_from else 2.0**16)
     run = Run(config, world, ctx, work_dir, dataset, loader, net, pfc, trainer, validation,
               state, plan, scaler, log)
-    if validation and state.step == 0:
+    if config.val_targets and state.step == 0:
         evaluate(run)  # what training adds
     return run
 
@@ -210,16 +223,6 @@ def make_loader(config: Config, world: dist.World) -> tuple:
                                world_size=world.size, seed=config.seed,
                                num_workers=config.num_workers,
                                skip_corrupt=config.skip_corrupt)
-
-
-def check_same_dataset(dataset: RecordDataset | None, world: dist.World) -> None:
-    """Hosts whose copies of the dataset differ would disagree about the epoch's end."""
-    import socket
-
-    fingerprint = dataset.records.fingerprint() if dataset is not None else None
-    copies = dist.allgather_object((socket.gethostname(), fingerprint), name="start.dataset")
-    if problem := dataset_disagreement([(r, host, f) for r, (host, f) in enumerate(copies)]):
-        raise DataError(problem)
 
 
 def build_backbone(config: Config, ctx: mx.Context):
@@ -249,33 +252,34 @@ def restore(config: Config, world: dist.World, ctx: mx.Context, work_dir: Path, 
             pfc: PartialFC, resume_from: str | None,
             load_from: str | None) -> tuple[TrainState, list[str]]:
     """The state to start from and notes for the log: a checkpoint's (--resume-from),
-    or step 0, with a checkpoint's weights (--load-from) or fresh ones."""
-    fresh = TrainState(reference_batch=config.batch_size * world.size)
-    if resume_from or load_from:
-        path, notes = checkpoint.find_resumable(resume_from or load_from, world)
-        error, state = None, fresh
-        try:
-            if resume_from:
-                state = checkpoint.resume(path, net, trainer, pfc, world, ctx)
-            else:
+    or step 0, with a checkpoint's weights (--load-from) or fresh ones. Checkpoints in
+    work_dir past that step belong to another run (or an abandoned future): moved aside."""
+    state, notes = TrainState(reference_batch=config.batch_size * world.size), []
+    source = resume_from or load_from
+    if source:
+        path, notes = checkpoint.find_resumable(source, world, weights_only=not resume_from)
+
+        def load() -> TrainState:
+            if not resume_from:
                 checkpoint.load_weights(path, net, pfc, ctx)
-        except (CheckpointError, OptimizerStateError, OSError, ValueError) as failure:
-            error = CheckpointError(f"cannot {'resume' if resume_from else 'load'} from "
-                                    f"{path}: {failure}")
-        dist.raise_on_every_rank(error, name="restore")
-        verb = "resuming from" if resume_from else "loaded the weights of"
-        return state, [*notes, f"{verb} {path}"]
-    aside, error = None, None
-    if world.is_main:
-        try:
-            aside = checkpoint.set_aside_earlier_run(work_dir)
-        except OSError as failure:
-            error = CheckpointError(f"cannot move the earlier checkpoints in {work_dir} "
-                                    f"aside: {failure}")
-    dist.raise_on_every_rank(error, name="restore.aside")
-    notes = [f"{work_dir} held checkpoints of an earlier run: moved them to {aside} (use "
-             "--resume-from to continue a run)"] if aside else []
-    return fresh, notes
+                return state
+            resumed = checkpoint.resume(path, net, trainer, pfc, world, ctx)
+            best = max((resumed.best_accuracy, resumed.best_step),
+                       checkpoint.best_on_disk(work_dir))
+            resumed.best_accuracy, resumed.best_step = best
+            return resumed
+
+        state = dist.run_agreed(load, "restore", (CheckpointError, OptimizerStateError),
+                                CheckpointError, f"cannot load {path}")
+        notes.append(f"{'resuming from' if resume_from else 'loaded the weights of'} {path}")
+    aside = dist.run_agreed(lambda: checkpoint.set_aside(work_dir, newer_than=state.step
+                                                         if resume_from else -1),
+                            "restore.aside", (), CheckpointError,
+                            f"cannot move checkpoints in {work_dir} aside", on=world.is_main)
+    if aside:
+        notes.append(f"{work_dir} held checkpoints past step {state.step} of another run: "
+                     f"moved them to {aside}")
+    return state, notes
 
 
 # ----- one step -----
@@ -305,33 +309,46 @@ def train_step(run: Run, batch: Batch, lr: float) -> float:
 
 
 # ----- saving and evaluating -----
-def save(run: Run) -> None:
+def save(run: Run, export: bool = True) -> None:
+    """A checkpoint on every rank, then (rank 0) backbone.onnx: derived from the
+    checkpoint, so a failed export is a warning, not the end of the run."""
     run.state.loss_scale = run.scaler.scale
     start_time = time.time()
     path = checkpoint.save(run.work_dir, run.state, run.net, run.trainer, run.pfc, run.world,
                            run.config.keep_checkpoints)
-    if run.world.is_main:
-        onnx_path = export_onnx(run.work_dir)
-        run.log.info(f"saved checkpoint {path} and {onnx_path} in "
-                     f"{time.time() - start_time:.1f} s")
+    if not run.world.is_main:
+        return
+    exported = ""
+    if export:
+        try:
+            exported = f" and {export_onnx(run.work_dir)}"
+        except Exception as error:  # the checkpoint is safe; say so and go on
+            run.log.info(f"WARNING: could not export backbone.onnx: {error!r}")
+    run.log.info(f"saved checkpoint {path}{exported} in {time.time() - start_time:.1f} s")
 
 
 def evaluate(run: Run) -> None:
-    """Log every set's accuracy (rank 0); export the backbone as backbone-best-*
-    whenever the mean accuracy beats the best so far, which the checkpoints keep."""
+    """Every rank calls it; rank 0 logs every set's accuracy and exports the backbone
+    as backbone-best-* whenever the mean accuracy beats the best so far (which the
+    checkpoints and backbone-best.json keep). A failure stops every rank."""
     state, log = run.state, run.log
-    for dataset in run.validation:
-        result = verify(mxnet_forward(run.net, run.ctx), dataset)
-        run.accuracy[dataset.name] = result.accuracy
-        log.info(f"[{dataset.name}][{state.step}]Accuracy-Flip: {result.accuracy:.5f}"
-                 f"+-{result.std:.5f}")
-        log.scalars(state.step, {f"verification/{dataset.name}": result.accuracy})
-    mean = sum(run.accuracy.values()) / len(run.accuracy)
-    if state.step > 0 and mean > state.best_accuracy:
-        state.best_accuracy, state.best_step = mean, state.step
-        checkpoint.save_backbone(run.net, run.work_dir / "backbone-best")
-        log.info(f"best mean verification accuracy so far: {mean:.5f} at step {state.step}; "
-                 f"saved {run.work_dir}/backbone-best-*")
+
+    def on_main() -> None:
+        for dataset in run.validation:
+            result = verify(mxnet_forward(run.net, run.ctx), dataset)
+            run.accuracy[dataset.name] = result.accuracy
+            log.info(f"[{dataset.name}][{state.step}]Accuracy-Flip: {result.accuracy:.5f}"
+                     f"+-{result.std:.5f}")
+            log.scalars(state.step, {f"verification/{dataset.name}": result.accuracy})
+        mean = sum(run.accuracy.values()) / len(run.accuracy)
+        if state.step > 0 and mean > state.best_accuracy:
+            state.best_accuracy, state.best_step = mean, state.step
+            checkpoint.save_best(run.net, run.work_dir, mean, state.step)
+            log.info(f"best mean verification accuracy so far: {mean:.5f} at step "
+                     f"{state.step}; saved {run.work_dir}/backbone-best-*")
+
+    dist.run_agreed(on_main, "evaluate", USER_ERRORS, TrainingError,
+                    f"evaluation at step {state.step} failed", on=run.world.is_main)
 
 
 def report_baseline(run: Run) -> None:

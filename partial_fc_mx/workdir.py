@@ -5,8 +5,8 @@ rank into the same directory, and a resume on any number of processes reads all
 of them; so `work_dir` must be on a file system shared by all hosts (NFS, Lustre,
 GPFS, ...), as in the reference setups. A run (and the preflight) checks this at
 start-up: every rank writes a token, rank 0 must see all of them and every rank
-rank 0's. A host with
-its own private `work_dir` is named at once, not at the first save hours later.
+rank 0's. A host with its own private `work_dir` is named at once, not at the first
+save hours later.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from . import dist
 
-VISIBILITY_WAIT = 3.0
+VISIBILITY_WAIT = 10.0
 """Seconds a rank waits for the other ranks' tokens (network file systems may lag)."""
 
 
@@ -55,8 +55,10 @@ def sharing_problems(work_dir: Path, world: dist.World) -> list[str]:
     # rank 0 looks for every token, the others for rank 0's: W lookups in all, not W^2
     missing = unseen(probe, range(world.size) if world.is_main else [0])
     seen = dist.allgather_object((socket.gethostname(), missing, written), name="workdir.seen")
+    (probe / f"rank_{world.rank}").unlink(missing_ok=True)  # each its own, then rank 0
     dist.barrier("workdir.checked")
-    shutil.rmtree(probe, ignore_errors=True)
+    if world.is_main:
+        shutil.rmtree(probe, ignore_errors=True)
     hosts = [host for host, _, _ in seen]
     problems = [f"rank {rank} ({hosts[rank]}): {written}"
                 for rank, (_, _, written) in enumerate(seen) if written]

@@ -29,7 +29,8 @@ def test_save_bench_reports_each_way_of_writing_a_shard(tmp_path):
     assert "one shard of 2000 x 64 float32 (0 MiB)" in result.stdout
     rows = re.findall(r"^  (.+?)\s+([\d.]+) ms\s+\d+ MiB/s\s+([\d.]+)x np.save$",
                       result.stdout, flags=re.MULTILINE)
-    assert [name for name, _, _ in rows] == ["np.save", "checksummed + fsync",
+    assert [name for name, _, _ in rows] == ["np.save", "np.save + fsync",
+                                             "checksummed + fsync",
                                              "verify (read back + CRC-32)"]
     assert float(rows[0][2]) == 1.0 and all(float(ms) > 0 for _, ms, _ in rows)
     assert list(tmp_path.iterdir()) == []  # it cleans up

@@ -151,31 +151,81 @@ def test_a_crafted_state_file_is_refused_and_runs_nothing(tmp_path, synthetic, t
     replace_listed_file(work / "checkpoints" / "step_000004", name, payload)
     result, _ = resume_one_step(tmp_path, synthetic, work / "checkpoints" / "step_000004")
     assert result.returncode == 1, result.stdout[-3000:]
-    assert "error: cannot resume from" in result.stdout
+    assert f"error: {work / 'checkpoints' / 'step_000004' / name}" in result.stdout
     assert ("not an optimizer state file" if name.endswith(".npz") else
             "holds no plain array of numbers") in result.stdout, result.stdout[-2000:]
     assert not target.exists()
 
 
-def test_a_resume_keeps_the_best_model_and_its_accuracy(tmp_path, synthetic, trained):
-    """The best accuracy lives in the checkpoint: raised to 1.01 there, no evaluation
-    after the resume may replace backbone-best-*."""
+@pytest.mark.parametrize("record, best, replaced", [
+    ("meta.json", 1.01, False),           # the checkpoint keeps the best accuracy
+    ("backbone-best.json", 1.01, False),  # a best found after the last checkpoint
+    ("meta.json", 0.0, True),             # and a better model does replace it
+])
+def test_a_resume_replaces_the_best_model_only_by_a_better_one(tmp_path, synthetic, trained,
+                                                               record, best, replaced):
     work = copy_of(trained, tmp_path)
     newest = work / "checkpoints" / "step_000004"
     meta = json.loads((newest / "meta.json").read_text())
     assert meta["best_step"] in (2, 4) and 0 < meta["best_accuracy"] <= 1
-    (newest / "meta.json").write_text(json.dumps({**meta, "best_accuracy": 1.01}))
-    best = work / "backbone-best-0000.params"
-    before = best.read_bytes()
+    on_disk = json.loads((work / "backbone-best.json").read_text())
+    assert on_disk == {"accuracy": meta["best_accuracy"], "step": meta["best_step"]}
+    if record == "meta.json":
+        (newest / "meta.json").write_text(json.dumps({**meta, "best_accuracy": best}))
+        (work / "backbone-best.json").write_text(json.dumps({"accuracy": best, "step": 0}))
+    else:
+        (work / "backbone-best.json").write_text(json.dumps({"accuracy": best, "step": 3}))
+    model = work / "backbone-best-0000.params"
+    before = model.read_bytes()
     config = config_file(tmp_path, synthetic, name="more.py", max_steps=8, save_every=4,
                          verbose=2, val_targets=["synthetic_heldout"])
     result = mpirun(2, train_args(config, work, "--resume-from", str(work)), timeout=300)
     assert result.returncode == 0, result.stdout[-3000:]
     text = (work / "training.log").read_text().split("resuming from")[1]
-    assert "[synthetic_heldout][6]Accuracy-Flip" in text and "best mean" not in text
-    assert best.read_bytes() == before
+    assert "[synthetic_heldout][6]Accuracy-Flip" in text
+    assert ("best mean" in text) == replaced and (model.read_bytes() != before) == replaced
     final = json.loads((work / "checkpoints" / "step_000008" / "meta.json").read_text())
-    assert (final["best_accuracy"], final["best_step"]) == (1.01, meta["best_step"])
+    if not replaced:
+        assert final["best_accuracy"] == 1.01
+    else:
+        assert final["best_step"] in (6, 8) and final["best_accuracy"] > 0
+
+
+def test_resuming_an_older_checkpoint_moves_the_newer_ones_aside(tmp_path, synthetic, trained):
+    """Its saves must be the newest: pruning would otherwise delete them in favour of
+    the abandoned step 4, and a later resume would pick step 4."""
+    work = copy_of(trained, tmp_path)
+    config = config_file(tmp_path, synthetic, name="again.py", max_steps=4, save_every=1,
+                         keep_checkpoints=2)
+    older = work / "checkpoints" / "step_000002"
+    result = mpirun(2, train_args(config, work, "--resume-from", str(older)), timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:]
+    aside = [p for p in work.iterdir() if p.name.startswith("checkpoints-before-")]
+    assert len(aside) == 1 and [p.name for p in aside[0].iterdir()] == ["step_000004"]
+    assert f"past step 2 of another run: moved them to {aside[0]}" in result.stdout
+    assert [p.name for p in checkpoint.checkpoints(work)] == ["step_000003", "step_000004"]
+    assert json.loads((work / "checkpoints" / "step_000004" / "meta.json").read_text())[
+        "images_seen"] == 4 * 48
+
+
+def test_a_checkpoint_of_the_first_format_loads_weights_but_does_not_resume(
+        tmp_path, synthetic, trained):
+    """Before checksums, meta.json listed no files and the optimizer state was a pickle."""
+    work = copy_of(trained, tmp_path)
+    old = work / "checkpoints" / "step_000004"
+    meta = json.loads((old / "meta.json").read_text())
+    del meta["files"]
+    (old / "meta.json").write_text(json.dumps(meta))
+    (old / "backbone_optimizer.npz").unlink()
+    (old / "trainer.states").write_bytes(pickle.dumps(CreatesAFile(tmp_path / "pwned")))
+    resumed, _ = resume_one_step(tmp_path, synthetic, old, resume_from=old)
+    assert resumed.returncode == 1 and "meta.json is damaged or from an older version" in \
+        resumed.stdout and "can be used with --load-from" in resumed.stdout
+    config = config_file(tmp_path, synthetic, name="load.py", max_steps=1)
+    loaded = run(train_args(config, tmp_path / "loaded", "--load-from", str(old)))
+    assert loaded.returncode == 0, loaded.stdout[-3000:]
+    assert f"loaded the weights of {old}" in loaded.stdout
+    assert not (tmp_path / "pwned").exists()
 
 
 def test_a_new_run_moves_an_earlier_runs_checkpoints_aside(tmp_path, synthetic, trained):
@@ -189,7 +239,7 @@ def test_a_new_run_moves_an_earlier_runs_checkpoints_aside(tmp_path, synthetic, 
     assert [p.name for p in checkpoint.checkpoints(work)] == ["step_000001"]
 
 
-def test_saving_a_step_again_replaces_it_whole(tmp_path):
+def test_a_step_already_there_is_moved_aside_and_leftovers_of_killed_saves_go(tmp_path):
     root = tmp_path / "checkpoints"
     (root / "step_000005").mkdir(parents=True)
     (root / "step_000005" / "old").write_text("old")
@@ -197,8 +247,14 @@ def test_saving_a_step_again_replaces_it_whole(tmp_path):
     partial.mkdir()
     (partial / "new").write_text("new")
     checkpoint.publish(partial, root / "step_000005")
-    assert sorted(p.name for p in root.iterdir()) == ["step_000005"]
     assert [p.name for p in (root / "step_000005").iterdir()] == ["new"]
+    aside = [p for p in root.iterdir() if p.name.startswith("step_000005.replaced-")]
+    assert len(aside) == 1 and (aside[0] / "old").read_text() == "old"
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step_000005"]
+    for leftover in (".step_000006.partial", ".step_000001.deleting"):
+        (root / leftover).mkdir()
+    checkpoint.remove_stale(root)
+    assert sorted(p.name for p in root.iterdir()) == sorted(["step_000005", aside[0].name])
 
 
 # ----- kill -9 during a save -----

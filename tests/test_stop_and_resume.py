@@ -98,9 +98,9 @@ def test_a_run_resumed_on_another_world_size_covers_the_same_epochs_at_the_same_
     result = mpirun(after, args, timeout=600) if after > 1 else run(args, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:]
     reference, lines = logged(whole)["steps"], logged(resumed)["steps"]
-    # the same two epochs: every image of both, the last step ending epoch 1
+    # the same two epochs: every image of both, the last step in epoch 1
     assert reference[-1]["images"] == lines[-1]["images"] == 2 * 360
-    assert lines[-1]["epoch"] == reference[-1]["epoch"] == 2
+    assert lines[-1]["epoch"] == reference[-1]["epoch"] == 1
     assert lines[0]["images"] == 6 * PER_RANK * before + PER_RANK * after
     assert lines[0]["step"] == 7 and len(lines) == (720 - 6 * PER_RANK * before) // (
         PER_RANK * after)
@@ -112,3 +112,22 @@ def test_a_run_resumed_on_another_world_size_covers_the_same_epochs_at_the_same_
     assert len(shared) >= min(len(expected), len(got)) // 2 - 5, shared
     assert [got[p] for p in shared] == [expected[p] for p in shared]
     assert max(got.values()) == pytest.approx(0.1, abs=1e-6)  # the warmup reached base lr
+
+
+def test_a_resume_where_the_epoch_has_no_global_batch_left_goes_on_with_the_next(
+        tmp_path, small):
+    """29 steps of 12 on one process leave 12 images of epoch 0: less than the 24 of a
+    global batch on two processes, which therefore start at epoch 1."""
+    first = schedule_config(tmp_path, small)
+    config = config_file(tmp_path, small, name="short.py", num_classes=60,
+                         batch_size=PER_RANK, max_steps=29, save_every=29, val_targets=[])
+    assert run(train_args(config, tmp_path / "short"), timeout=300).returncode == 0
+    checkpoint = tmp_path / "short" / "checkpoints" / "step_000029"
+    result = mpirun(2, train_args(first, tmp_path / "resumed", "--resume-from",
+                                  str(checkpoint)), timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "resumed at step 29 (epoch 1, 0 images into it)" in result.stdout
+    lines = logged(tmp_path / "resumed")["steps"]
+    assert [line["epoch"] for line in lines] == [1] * 15  # all of epoch 1, nothing else
+    assert lines[0]["images"] == 29 * PER_RANK + 2 * PER_RANK
+    assert (tmp_path / "resumed" / "checkpoints" / "step_000044").is_dir()

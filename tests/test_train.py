@@ -30,6 +30,7 @@ from conftest import (
     train_args,
 )
 
+from partial_fc_mx import checkpoint
 from partial_fc_mx.backbones import get_model
 from partial_fc_mx.backbones.summary import count_flops
 
@@ -163,7 +164,7 @@ def test_sigterm_to_one_rank_saves_a_checkpoint_on_all_and_it_resumes(tmp_path, 
     assert result.stdout.count("stopped by a signal") == 1  # rank 0's log line
     assert re.search(r"exit code:\s*143", result.stdout, re.IGNORECASE) or \
         result.returncode == 143, (result.returncode, result.stdout[-2000:])
-    saved = sorted((work / "checkpoints").glob("step_*"))
+    saved = checkpoint.checkpoints(work)
     assert saved, "no checkpoint was written"
     meta = json.loads((saved[-1] / "meta.json").read_text())
     assert meta["step"] >= 2 and meta["world_size"] == 2

@@ -22,7 +22,6 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import horovod.mxnet as hvd
 import numpy as np
 
 from .. import dist
@@ -207,7 +206,7 @@ def in_step(batches: Iterator[Batch]) -> Iterator[Batch]:
             error = failure
         failed, ready = dist.sum_over_ranks([error is not None, batch is not None], name="data")
         dist.raise_on_every_rank(error, name="data", failed=failed > 0)
-        if 0 < ready < hvd.size():
+        if 0 < ready < dist.world_size():
             counts = dist.allgather_object(count + (batch is not None), name="data.counts")
             raise DataError(
                 "the ranks disagree about the end of the epoch: "

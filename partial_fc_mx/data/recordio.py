@@ -69,7 +69,7 @@ class RecordFile:
             raise DataError(f"{self.idx_path} has no record {record_id}")
         offset, parts = self.offsets[record_id], []
         while True:
-            head = os.pread(self._fd, 8, offset)
+            head = self._pread(8, offset, record_id)
             if len(head) < 8:
                 raise self._truncated(record_id, offset)
             magic, lrecord = struct.unpack("<II", head)
@@ -78,13 +78,21 @@ class RecordFile:
                                 f"start with the RecordIO magic; {self.idx_path} does not match "
                                 "this file. Rebuild both with the packer")
             cflag, length = lrecord >> 29, lrecord & _LENGTH_MASK
-            payload = os.pread(self._fd, length, offset + 8)
+            payload = self._pread(length, offset + 8, record_id)
             if len(payload) < length:
                 raise self._truncated(record_id, offset)
             parts.append(payload)
             offset += 8 + ((length + 3) & ~3)
             if cflag in (0, 3):
                 return _MAGIC_BYTES.join(parts)
+
+    def _pread(self, size: int, offset: int, record_id: int) -> bytes:
+        try:
+            return os.pread(self._fd, size, offset)
+        except OSError as error:  # EIO on a failing disk or network file system
+            raise DataError(f"{self.rec_path}: cannot read record {record_id} at byte "
+                            f"{offset}: {error}. Check the disk or copy the file again"
+                            ) from error
 
     def read(self, record_id: int) -> Record:
         header, image = self.unpack(record_id)
@@ -115,7 +123,7 @@ class RecordFile:
 
 def read_index(path: Path) -> dict[int, int]:
     offsets = {}
-    with open(path) as lines:
+    with open(path, "rb") as lines:  # bytes: a damaged (binary) index is a DataError too
         for number, line in enumerate(lines, 1):
             fields = line.split()
             if len(fields) != 2 or not all(f.isdigit() for f in fields):
