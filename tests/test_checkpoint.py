@@ -278,6 +278,7 @@ def test_kill_9_during_saves_always_leaves_a_checkpoint_that_verifies_and_resume
     centers; a save every step. One rank, or the whole job, is killed at a random
     moment of a save; every checkpoint left must verify and the newest must resume."""
     rng = random.Random(0)
+    cut_off = 0  # kills that left a save unfinished (a .partial directory behind)
     config = config_file(tmp_path, "random", num_classes=200_000, num_image=1_000_000,
                          batch_size=8, sample_rate=0.05, save_every=1, keep_checkpoints=2,
                          num_epoch=1, val_targets=[])
@@ -299,6 +300,7 @@ def test_kill_9_during_saves_always_leaves_a_checkpoint_that_verifies_and_resume
         while rank_pids(f"train {config} --work-dir {work}") and time.time() < deadline:
             time.sleep(0.1)
         saved = checkpoint.checkpoints(work)
+        cut_off += bool(list((work / "checkpoints").glob(".step_*.partial")))
         assert saved, f"attempt {attempt}: no checkpoint left"
         for path in saved:
             assert checkpoint.verify(path) == [], f"attempt {attempt}: {path} is damaged"
@@ -310,3 +312,4 @@ def test_kill_9_during_saves_always_leaves_a_checkpoint_that_verifies_and_resume
         assert f"resuming from {saved[-1]}" in resumed.stdout
         assert logged(work)["steps"][-1]["step"] == checkpoint.step_of(saved[-1]) + 2
         assert not list((work / "checkpoints").glob(".step_*")), "a stale partial save is left"
+    print(f"{cut_off} of {CRASH_LOOPS} kills cut a save off before its rename")
