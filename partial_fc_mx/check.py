@@ -65,8 +65,7 @@ def run_check(config: Config, checkpoint: str | None = None) -> int:
     everyone = dist.allgather_object(info, name="preflight")
     problems = [f"rank {i.rank} ({i.host}): {p}" for i in everyone for p in i.problems]
     problems = deduplicate_across_ranks(problems)
-    if world.size > 1:  # every rank takes part: it is a collective
-        problems += workdir.sharing_problems(Path(config.output), world)
+    problems += workdir.sharing_problems(Path(config.output), world)
     if disagreement := dataset_disagreement_across_ranks(fingerprint):
         problems.append(disagreement)
     resumable = None

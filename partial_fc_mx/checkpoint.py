@@ -242,9 +242,8 @@ def save_best(net, work_dir: Path, accuracy: float, step: int) -> None:
     survives a crash before the next checkpoint, so a resume never replaces the best
     model by a worse one."""
     save_backbone(net, Path(work_dir) / "backbone-best")
-    record = json.dumps({"accuracy": accuracy, "step": step}).encode()
-    durable.write_atomically(Path(work_dir) / BEST,
-                             lambda tmp: durable.write_file(tmp, lambda f: f.write(record)))
+    record = json.dumps({"accuracy": accuracy, "step": step})
+    durable.write_atomically(Path(work_dir) / BEST, lambda tmp: tmp.write_text(record))
 
 
 def best_on_disk(work_dir: Path) -> tuple[float, int]:
@@ -305,10 +304,11 @@ def find_resumable(path: str | os.PathLike, world: dist.World,
     loss, a truncated copy). Rank 0's listing is used by all ranks.
     """
     path = Path(path)
-    explicit = (path / META).exists() or step_of(path) is not None
-    candidates = dist.allgather_object(
-        [str(path)] if explicit else [str(p) for p in reversed(checkpoints(path))],
-        name="resume.candidates")[0]
+    listing = None  # rank 0's: a network file system may show the ranks different lists
+    if world.is_main:
+        explicit = (path / META).exists() or step_of(path) is not None
+        listing = [str(path)] if explicit else [str(p) for p in reversed(checkpoints(path))]
+    candidates = dist.allgather_object(listing, name="resume.candidates")[0]
     notes = []
     for candidate in map(Path, candidates):
         problems = dist.allgather_object(

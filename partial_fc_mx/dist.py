@@ -108,15 +108,15 @@ def raise_on_every_rank(error: Exception | None, name: str, failed: bool | None 
     if error is not None and not constructible_from_message(type(error)):
         mine = (RuntimeError, f"{type(error).__name__}: {error}")
     everyone = allgather_object(mine, name=f"{name}.errors")
-    kinds, ranks_of = [], {}
-    for rank, item in enumerate(everyone):
-        if item is not None:
-            kinds.append(item[0])
-            ranks_of.setdefault(item[1], []).append(str(rank))
+    failures = [(rank, item) for rank, item in enumerate(everyone) if item is not None]
+    kind = failures[0][1][0]
+    ranks_of: dict[str, list[str]] = {}
+    for rank, (_, text) in failures:
+        ranks_of.setdefault(text, []).append(str(rank))
     message = mine[1] if len(everyone) == 1 else "; ".join(
         f"rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}: {text}"
         for text, ranks in ranks_of.items())
-    raise kinds[0](message)
+    raise kind(message)
 
 
 def constructible_from_message(kind: type) -> bool:

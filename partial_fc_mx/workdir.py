@@ -42,6 +42,8 @@ def create(path: str | os.PathLike) -> Path:
 def sharing_problems(work_dir: Path, world: dist.World) -> list[str]:
     """Called by every rank together; the same list on every rank, [] when every rank
     sees every other rank's files in `work_dir`."""
+    if world.size == 1:
+        return []
     token = dist.allgather_object(uuid.uuid4().hex if world.is_main else None,
                                   name="workdir.token")[0]
     probe = Path(work_dir) / f".shared-check-{token}"
@@ -86,8 +88,5 @@ def unseen(probe: Path, ranks) -> list[int]:
 
 def check_shared(work_dir: Path, world: dist.World) -> None:
     """Raise WorkDirError on every rank when `work_dir` is not shared by all of them."""
-    if world.size == 1:
-        return
-    problems = sharing_problems(work_dir, world)
-    if problems:
+    if problems := sharing_problems(work_dir, world):
         raise WorkDirError("; ".join(problems))

@@ -15,13 +15,12 @@ from __future__ import annotations
 import os
 import re
 import struct
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import mxnet as mx
 import numpy as np
-
-from ..durable import file_record
 
 MAGIC = 0xCED7230A
 _MAGIC_BYTES = struct.pack("<I", MAGIC)
@@ -54,7 +53,7 @@ class RecordFile:
             if not path.is_file():
                 raise DataError(f"{path} is missing: the {what} file of the dataset. Pack the "
                                 "data with `python -m partial_fc_mx pack` or fix the path")
-        self.offsets = read_index(self.idx_path)
+        self.offsets, self.index_record = read_index(self.idx_path)
         self.size = self.rec_path.stat().st_size
         self._fd = os.open(self.rec_path, os.O_RDONLY)
 
@@ -112,8 +111,7 @@ class RecordFile:
     def fingerprint(self) -> dict:
         """Record count and the index file's size and CRC-32: ranks whose copies of the
         dataset differ would yield different batch counts and hang in a collective."""
-        return {"records": len(self.offsets), **file_record(self.idx_path),
-                "rec_bytes": self.size}
+        return {"records": len(self.offsets), **self.index_record, "rec_bytes": self.size}
 
     def _truncated(self, record_id: int, offset: int) -> DataError:
         return DataError(f"{self.rec_path} is truncated: record {record_id} at byte {offset} "
@@ -121,16 +119,19 @@ class RecordFile:
                          "again or re-pack it")
 
 
-def read_index(path: Path) -> dict[int, int]:
-    offsets = {}
+def read_index(path: Path) -> tuple[dict[int, int], dict]:
+    """{record id: byte offset}, and the file's {"bytes", "crc32"} from the same read
+    (the fingerprint ranks compare to find hosts whose copies differ)."""
+    offsets, crc, size = {}, 0, 0
     with open(path, "rb") as lines:  # bytes: a damaged (binary) index is a DataError too
         for number, line in enumerate(lines, 1):
+            crc, size = zlib.crc32(line, crc), size + len(line)
             fields = line.split()
             if len(fields) != 2 or not all(f.isdigit() for f in fields):
                 raise DataError(f"{path} line {number} is not 'record_id<TAB>offset': "
                                 f"{line.strip()[:60]!r}. Rebuild the index with the packer")
             offsets[int(fields[0])] = int(fields[1])
-    return offsets
+    return offsets, {"bytes": size, "crc32": crc}
 
 
 class RecordDataset:
