@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from .config import ConfigError, load_config
 
@@ -54,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     synthetic.add_argument("--heldout", type=int, default=100)
     synthetic.add_argument("--pairs", type=int, default=300)
     synthetic.add_argument("--seed", type=int, default=0)
+    gpus = commands.add_parser("gpus", help="which GPUs the installed MXNet, or an MXNet GPU "
+                                            "wheel, has kernels for")
+    gpus.add_argument("--wheel", metavar="PACKAGE",
+                      help="judge an MXNet 1.9.1 GPU wheel before installing it, e.g. mxnet-cu117")
+    gpus.add_argument("--table", nargs="*", metavar="WHEEL_FILE",
+                      help="print the README's GPU support table, read from downloaded "
+                           "mxnet-cuXXX wheels (or, without files, as recorded)")
     model = commands.add_parser("model", help="parameter count and FLOPs of a backbone")
     model.add_argument("network", help="r18, r34, r50, r100, r200, mobilefacenet or tiny")
     model.add_argument("--embedding-size", type=int, default=512)
@@ -91,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         return config_command(args)
     if args.command == "model":
         return model_command(args.network, args.embedding_size)
+    if args.command == "gpus":
+        return gpus_command(args.wheel, args.table)
     from .data.recordio import DataError
 
     try:
@@ -103,6 +113,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def config_command(args: argparse.Namespace) -> int:
+    if problem := mxnet_load_problem():
+        if args.command == "train":
+            report(problem)
+            return 1
+        print(f"PROBLEM: {problem}")
+        gpus_command(None, None)  # whether these GPUs could run it is known without MXNet
+        return 1
     overrides = list(args.overrides)
     if args.work_dir:
         overrides.append(f"output={args.work_dir}")
@@ -112,8 +129,21 @@ def config_command(args: argparse.Namespace) -> int:
         report(error)
         return 2
     if args.command == "check":
-        return check_command(config, args.resume_from or args.load_from)
+        from .check import run_check
+
+        return run_check(config, args.resume_from or args.load_from)
     return train_command(config, args.resume_from, args.load_from)
+
+
+def mxnet_load_problem() -> str | None:
+    """Why MXNet or Horovod's MXNet extension cannot load, or None: a GPU wheel without
+    its CUDA libraries raises OSError, Horovod built without MXNet an ImportError."""
+    try:
+        import horovod.mxnet  # noqa: F401
+    except (ImportError, OSError) as error:
+        return (f"{error}; run `bash setup-utils/install.sh` (it builds Horovod with MXNet "
+                "support; a GPU wheel also needs the CUDA libraries, see README)")
+    return None
 
 
 def train_command(config, resume_from: str | None, load_from: str | None) -> int:
@@ -126,14 +156,26 @@ def train_command(config, resume_from: str | None, load_from: str | None) -> int
         return 1
 
 
-def check_command(config, checkpoint: str | None) -> int:
-    try:
-        from .check import run_check
-    except ImportError as error:  # MXNet or Horovod's MXNet extension is missing
-        print(f"PROBLEM: {error}; run `bash setup-utils/install.sh` (it builds Horovod "
-              "with MXNet support)")
-        return 1
-    return run_check(config, checkpoint)
+def gpus_command(wheel: str | None, table: list[str] | None) -> int:
+    from . import gpu_support
+
+    if table is not None:
+        wheels = ([gpu_support.wheel_from_file(Path(path)) for path in table]
+                  or list(gpu_support.MXNET_191_WHEELS.values()))
+        print(gpu_support.render_table(wheels))
+        return 0
+    if wheel is not None:
+        if wheel not in gpu_support.MXNET_191_WHEELS:
+            report(f"{wheel} is not an MXNet 1.9.1 GPU wheel; choose one of "
+                   f"{', '.join(gpu_support.MXNET_191_WHEELS)}")
+            return 2
+        build = f"{wheel} 1.9.1", gpu_support.MXNET_191_WHEELS[wheel].fatbinaries
+    else:
+        build = gpu_support.installed_build()
+        if build is None:
+            report("MXNet is not installed; run `bash setup-utils/install.sh`")
+            return 2
+    return gpu_support.print_report(gpu_support.gpu_report(*build))
 
 
 def model_command(network: str, embedding_size: int) -> int:

@@ -9,10 +9,7 @@ Each problem is one line that says how to fix it; every rank exits non-zero.
 
 from __future__ import annotations
 
-import ctypes
-import importlib.metadata
 import os
-import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +19,7 @@ import horovod.mxnet as hvd
 import mxnet as mx
 import psutil
 
-from . import dist, workdir
+from . import dist, gpu_support, workdir
 from .checkpoint import CheckpointError, find_resumable
 from .config import Config
 from .data.recordio import DataError, RecordDataset
@@ -42,6 +39,7 @@ class RankInfo:
     device: str
     free_memory: int
     memory_need: MemoryEstimate
+    gpus: list  # one line per GPU this process sees: can the installed MXNet run on it
     problems: list
 
 
@@ -56,8 +54,10 @@ def run_check(config: Config, checkpoint: str | None = None) -> int:
     )
     info = RankInfo(
         world.rank, world.local_rank, world.local_size, socket.gethostname(), str(ctx),
-        free_memory(ctx, world.local_size), need, [],
+        free_memory(ctx, world.local_size), need, [], [],
     )
+    for line, problem in gpu_support.gpu_report(*gpu_support.installed_build()):
+        (info.problems if problem else info.gpus).append(line)
     info.problems += check_gpu_driver()
     dataset_problems, fingerprint = check_dataset(config)
     info.problems += dataset_problems
@@ -102,37 +102,18 @@ def free_memory(ctx: mx.Context, local_size: int) -> int:
     return psutil.virtual_memory().available // max(local_size, 1)
 
 
-def mxnet_cuda_version() -> tuple[int, int] | None:
-    """(11, 2) for an mxnet-cu112 install, None for the CPU build."""
-    for dist_ in importlib.metadata.distributions():
-        match = re.fullmatch(r"mxnet-cu(\d+)(\d)", dist_.metadata["Name"] or "")
-        if match:
-            return int(match.group(1)), int(match.group(2))
-    return None
-
-
-def cuda_driver_version() -> tuple[int, int] | None:
-    """The newest CUDA the installed NVIDIA driver supports, or None without a driver."""
-    try:
-        libcuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return None
-    version = ctypes.c_int()
-    if libcuda.cuDriverGetVersion(ctypes.byref(version)) != 0:
-        return None
-    return version.value // 1000, (version.value % 1000) // 10
-
-
 def check_gpu_driver() -> list[str]:
-    built_for, driver = mxnet_cuda_version(), cuda_driver_version()
+    built_for, driver = gpu_support.mxnet_cuda_version(), gpu_support.cuda_driver_version()
     cuda_enabled = mx.runtime.Features().is_enabled("CUDA")
     if cuda_enabled and driver is None:
         return ["MXNet is a CUDA build but no NVIDIA driver was found; install the driver, "
                 "or reinstall the CPU build with `MXNET_PACKAGE=mxnet bash setup-utils/install.sh`"]
     if cuda_enabled and built_for and driver < built_for:
         return [f"MXNet is built for CUDA {built_for[0]}.{built_for[1]} but the driver "
-                f"supports only CUDA {driver[0]}.{driver[1]}; upgrade the driver or install "
-                "an older mxnet-cuXXX"]
+                f"supports only CUDA {driver[0]}.{driver[1]}; upgrade the driver (CUDA "
+                f"{built_for[0]}.{built_for[1]} needs "
+                f">= {gpu_support.DRIVER_FOR_CUDA[f'{built_for[0]}.{built_for[1]}']}) or "
+                "install an older mxnet-cuXXX (README, 'GPU support')"]
     if cuda_enabled and mx.context.num_gpus() == 0:
         return ["MXNet is a CUDA build but sees no GPU; check CUDA_VISIBLE_DEVICES and nvidia-smi"]
     return []
@@ -197,6 +178,9 @@ def print_report(config: Config, ranks: list[RankInfo]) -> None:
     for r in ranks:
         print(f"  rank {r.rank}: host {r.host}, local rank {r.local_rank}/{r.local_size}, "
               f"device {r.device}, free memory {r.free_memory / GiB:.1f} GiB")
+    for host in hosts:
+        for line in next(r.gpus for r in ranks if r.host == host):
+            print(f"  {host}: {line}")
     print(f"data: {config.rec or '(not set)'}, {config.num_classes} classes, "
           f"val_targets {[str(p) for p in config.val_paths()]}")
     print(f"work_dir: {config.output} (must be one directory shared by every host)")

@@ -7,7 +7,10 @@
 #   MXNET_PACKAGE=mxnet-cu112 bash setup-utils/install.sh    # GPU: CUDA MXNet + Horovod with NCCL
 #
 # Environment:
-#   MXNET_PACKAGE   mxnet (CPU, default), mxnet-cu112 or mxnet-cu117 (all version 1.9.1)
+#   MXNET_PACKAGE   mxnet (CPU, default) or a GPU build mxnet-cu101 ... mxnet-cu117 (all
+#                   version 1.9.1). A GPU build is refused, before anything is installed,
+#                   on a machine with a GPU it has no kernels for (H100/H200 and newer:
+#                   README, "GPU support"); it is checked again once installed.
 #   VENV            where the virtual environment goes (default: <repo>/.venv)
 #   PFC_CACHE_DIR   where built Horovod wheels are kept for reuse
 #                   (default: ~/.cache/partial_fc_mx)
@@ -30,8 +33,18 @@ die() { echo "[install] ERROR: $*" >&2; exit 1; }
 case "$mxnet_package" in
   mxnet) gpu_operations= ;;
   mxnet-cu*) gpu_operations=NCCL ;;
-  *) die "MXNET_PACKAGE=$mxnet_package is not an MXNet build; use mxnet, mxnet-cu112 or mxnet-cu117" ;;
+  *) die "MXNET_PACKAGE=$mxnet_package is not an MXNet build; use mxnet or one of mxnet-cu101 ... mxnet-cu117" ;;
 esac
+
+# A GPU build is refused on GPUs it has no kernels for (H100/H200 and newer, for every
+# MXNet 1.9.1 wheel): first from what was recorded of each wheel, within seconds and
+# before anything is downloaded; then from the installed library, before Horovod is built.
+refuse_undriven_gpus() {
+  local when=$1
+  shift
+  [ -n "$gpu_operations" ] || return 0
+  "$@" || die "$mxnet_package cannot run on this machine's GPUs (the PROBLEM above); stopped $when. README, \"GPU support\", lists which wheel runs on which GPU."
+}
 
 install_system_packages() {
   local missing=()
@@ -116,6 +129,8 @@ install_horovod() {
 }
 
 main() {
+  refuse_undriven_gpus "before installing anything" \
+    env PYTHONPATH="$root" python3 -m partial_fc_mx gpus --wheel "$mxnet_package"
   install_system_packages
   if [ ! -x "$venv/bin/python" ]; then
     say "creating the virtual environment $venv"
@@ -127,6 +142,7 @@ main() {
     return 0
   fi
   install_python_packages
+  refuse_undriven_gpus "before building Horovod" python_in_venv -m partial_fc_mx gpus
   install_horovod
   install_fingerprint >"$stamp"
   say "done: $("$venv/bin/horovodrun" --check-build | grep -E '\[X\]' | tr -s ' ' | tr '\n' ' ')"
