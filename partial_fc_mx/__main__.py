@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import zipfile
 from pathlib import Path
 
 from .config import ConfigError, load_config
@@ -57,11 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
     synthetic.add_argument("--seed", type=int, default=0)
     gpus = commands.add_parser("gpus", help="which GPUs the installed MXNet, or an MXNet GPU "
                                             "wheel, has kernels for")
-    gpus.add_argument("--wheel", metavar="PACKAGE",
-                      help="judge an MXNet 1.9.1 GPU wheel before installing it, e.g. mxnet-cu117")
-    gpus.add_argument("--table", nargs="*", metavar="WHEEL_FILE",
-                      help="print the README's GPU support table, read from downloaded "
-                           "mxnet-cuXXX wheels (or, without files, as recorded)")
+    judged = gpus.add_mutually_exclusive_group()
+    judged.add_argument("--wheel", metavar="PACKAGE",
+                        help="judge an MXNet 1.9.1 GPU wheel before installing it, e.g. "
+                             "mxnet-cu117")
+    judged.add_argument("--table", nargs="*", metavar="WHEEL_FILE",
+                        help="print the README's GPU support table, read from downloaded "
+                             "mxnet-cuXXX wheels (or, without files, as recorded)")
     model = commands.add_parser("model", help="parameter count and FLOPs of a backbone")
     model.add_argument("network", help="r18, r34, r50, r100, r200, mobilefacenet or tiny")
     model.add_argument("--embedding-size", type=int, default=512)
@@ -157,25 +160,30 @@ def train_command(config, resume_from: str | None, load_from: str | None) -> int
 
 
 def gpus_command(wheel: str | None, table: list[str] | None) -> int:
+    """0: every GPU can run the build; 3: one cannot (install.sh refuses on exactly
+    that); 2: a wrong argument."""
     from . import gpu_support
 
     if table is not None:
-        wheels = ([gpu_support.wheel_from_file(Path(path)) for path in table]
-                  or list(gpu_support.MXNET_191_WHEELS.values()))
+        try:
+            wheels = ([gpu_support.wheel_from_file(Path(path)) for path in table]
+                      or list(gpu_support.MXNET_191_WHEELS.values()))
+        except (OSError, KeyError, ValueError, zipfile.BadZipFile) as error:
+            report(f"cannot read the wheel: {error}")
+            return 2
         print(gpu_support.render_table(wheels))
         return 0
-    if wheel is not None:
-        if wheel not in gpu_support.MXNET_191_WHEELS:
-            report(f"{wheel} is not an MXNet 1.9.1 GPU wheel; choose one of "
-                   f"{', '.join(gpu_support.MXNET_191_WHEELS)}")
-            return 2
-        build = f"{wheel} 1.9.1", gpu_support.MXNET_191_WHEELS[wheel].fatbinaries
+    if wheel is None:
+        lines = gpu_support.installed_report()
+    elif wheel in gpu_support.MXNET_191_WHEELS:
+        lines = gpu_support.gpu_report(f"{wheel} 1.9.1",
+                                       gpu_support.MXNET_191_WHEELS[wheel].fatbinaries)
     else:
-        build = gpu_support.installed_build()
-        if build is None:
-            report("MXNet is not installed; run `bash setup-utils/install.sh`")
-            return 2
-    return gpu_support.print_report(gpu_support.gpu_report(*build))
+        report(f"{wheel} is not an MXNet 1.9.1 GPU wheel; choose one of "
+               f"{', '.join(gpu_support.MXNET_191_WHEELS)}")
+        return 2
+    gpu_support.print_lines(lines)
+    return 3 if any(line.problem for line in lines) else 0
 
 
 def model_command(network: str, embedding_size: int) -> int:

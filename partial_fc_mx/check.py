@@ -39,8 +39,8 @@ class RankInfo:
     device: str
     free_memory: int
     memory_need: MemoryEstimate
-    gpus: list  # one line per GPU this process sees: can the installed MXNet run on it
-    problems: list
+    gpus: list[str]  # one line per GPU this process sees: can the installed MXNet run on it
+    problems: list[str]
 
 
 def run_check(config: Config, checkpoint: str | None = None) -> int:
@@ -56,8 +56,8 @@ def run_check(config: Config, checkpoint: str | None = None) -> int:
         world.rank, world.local_rank, world.local_size, socket.gethostname(), str(ctx),
         free_memory(ctx, world.local_size), need, [], [],
     )
-    for line, problem in gpu_support.gpu_report(*gpu_support.installed_build()):
-        (info.problems if problem else info.gpus).append(line)
+    for line in gpu_support.installed_report():
+        (info.problems if line.problem else info.gpus).append(line.text)
     info.problems += check_gpu_driver()
     dataset_problems, fingerprint = check_dataset(config)
     info.problems += dataset_problems
@@ -111,8 +111,7 @@ def check_gpu_driver() -> list[str]:
     if cuda_enabled and built_for and driver < built_for:
         return [f"MXNet is built for CUDA {built_for[0]}.{built_for[1]} but the driver "
                 f"supports only CUDA {driver[0]}.{driver[1]}; upgrade the driver (CUDA "
-                f"{built_for[0]}.{built_for[1]} needs "
-                f">= {gpu_support.DRIVER_FOR_CUDA[f'{built_for[0]}.{built_for[1]}']}) or "
+                f"{built_for[0]}.{built_for[1]}: {gpu_support.driver_for(built_for)}) or "
                 "install an older mxnet-cuXXX (README, 'GPU support')"]
     if cuda_enabled and mx.context.num_gpus() == 0:
         return ["MXNet is a CUDA build but sees no GPU; check CUDA_VISIBLE_DEVICES and nvidia-smi"]
@@ -178,8 +177,9 @@ def print_report(config: Config, ranks: list[RankInfo]) -> None:
     for r in ranks:
         print(f"  rank {r.rank}: host {r.host}, local rank {r.local_rank}/{r.local_size}, "
               f"device {r.device}, free memory {r.free_memory / GiB:.1f} GiB")
-    for host in hosts:
-        for line in next(r.gpus for r in ranks if r.host == host):
+    for host in hosts:  # ranks of a host may see different GPUs (CUDA_VISIBLE_DEVICES)
+        lines = [line for r in ranks if r.host == host for line in r.gpus]
+        for line in dict.fromkeys(lines):
             print(f"  {host}: {line}")
     print(f"data: {config.rec or '(not set)'}, {config.num_classes} classes, "
           f"val_targets {[str(p) for p in config.val_paths()]}")

@@ -9,6 +9,7 @@ undocumented; this reads only those fields, as cuobjdump's listings show them.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import mmap
@@ -24,6 +25,7 @@ FATBIN_MAGIC = struct.pack("<I", 0xBA55ED50)
 CONTAINER_HEADER = struct.Struct("<HHQ")  # version 1, header size 16, size of what follows
 IMAGE_HEADER = struct.Struct("<HHIQ")  # kind, version, header size, padded payload size
 IMAGE_ARCH_OFFSET = 28  # u32: 86 for sm_86 / compute_86
+CACHE_FORMAT = 1  # part of the cache key: a change to what is read here invalidates it
 PTX, SASS_KINDS = 1, (2, 0x10)  # 0x10: an ELF (SASS) variant newer CUDA releases write
 
 
@@ -44,12 +46,16 @@ def read_fatbinaries(data: bytes | mmap.mmap) -> Counter[Fatbinary]:
         if end is None:  # the magic bytes by chance, not a container
             position = data.find(FATBIN_MAGIC, position + 1)
             continue
-        found[read_images(data, position + 16, end)] += 1
+        images = read_images(data, position + 16, end)
+        if images.sass or images.ptx:  # an empty container holds no kernel to run
+            found[images] += 1
         position = data.find(FATBIN_MAGIC, end)
     return found
 
 
 def container_end(data: bytes | mmap.mmap, position: int) -> int | None:
+    """Where the container whose magic is at `position` ends; None when its header is
+    not one (the four magic bytes can occur by chance) or it runs past the data."""
     if position + 16 > len(data):
         return None
     version, header_size, size = CONTAINER_HEADER.unpack_from(data, position + 4)
@@ -58,6 +64,8 @@ def container_end(data: bytes | mmap.mmap, position: int) -> int | None:
 
 
 def read_images(data: bytes | mmap.mmap, start: int, end: int) -> Fatbinary:
+    """The architectures of the images between `start` and `end`; images of kinds
+    other than SASS and PTX are passed over."""
     sass, ptx = set(), set()
     while start + IMAGE_ARCH_OFFSET + 4 <= end:
         kind, _version, header_size, payload_size = IMAGE_HEADER.unpack_from(data, start)
@@ -72,33 +80,42 @@ def read_images(data: bytes | mmap.mmap, start: int, end: int) -> Fatbinary:
     return Fatbinary(tuple(sorted(sass)), tuple(sorted(ptx)))
 
 
+def default_cache_dir() -> Path:
+    """The cache install.sh uses for Horovod wheels (PFC_CACHE_DIR overrides it)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return Path(os.environ.get("PFC_CACHE_DIR") or Path(base) / "partial_fc_mx")
+
+
 def library_fatbinaries(library: Path, cache_dir: Path) -> Counter[Fatbinary]:
     """`read_fatbinaries` of a file, cached by its path, size and modification time:
-    libmxnet.so is about 900 MB and the preflight runs on every rank."""
+    libmxnet.so is about 900 MB and the preflight runs on every rank. A cache that
+    cannot be read or written (permissions, a read-only home) only costs time; the
+    library that cannot be read raises OSError."""
     stat = library.stat()
     if stat.st_size == 0:  # mmap cannot map an empty file
         return Counter()
-    key = hashlib.sha256(f"{library.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    cached = cache_dir / f"fatbinaries-{key.hexdigest()[:16]}.json"
-    if cached.is_file():
-        try:
-            return Counter({Fatbinary(tuple(f["sass"]), tuple(f["ptx"])): f["count"]
-                            for f in json.loads(cached.read_text())})
-        except (ValueError, KeyError, TypeError):
-            pass  # a damaged cache entry is parsed again and replaced
+    key = f"{CACHE_FORMAT}:{library.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    cached = cache_dir / f"fatbinaries-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    try:
+        return Counter({Fatbinary(tuple(f["sass"]), tuple(f["ptx"])): f["count"]
+                        for f in json.loads(cached.read_text())})
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # not there, unreadable or damaged: read the library again
     found = read_file(library)
     partial = cached.with_name(f"{cached.name}.{os.getpid()}.partial")
-    try:  # a cache that cannot be written (a read-only home) only costs time
+    try:
         cache_dir.mkdir(parents=True, exist_ok=True)
         partial.write_text(json.dumps([{"sass": list(f.sass), "ptx": list(f.ptx), "count": n}
                                        for f, n in found.items()]))
         os.replace(partial, cached)
     except OSError:
-        partial.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            partial.unlink()
     return found
 
 
 def read_file(path: str | os.PathLike) -> Counter[Fatbinary]:
+    """Those of one file, mapped rather than read into memory."""
     with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
         return read_fatbinaries(data)
 

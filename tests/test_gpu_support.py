@@ -4,7 +4,9 @@ against a stand-in libcuda.so.1 (tests/fake_libcuda.c) that reports an H100."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
 import struct
 import subprocess
 from collections import Counter
@@ -14,11 +16,12 @@ import numpy as np
 import pytest
 from conftest import BIN, REPO, mpirun_command, python_module, run
 
-from partial_fc_mx import fatbinary
+from partial_fc_mx import fatbinary, gpu_support
 from partial_fc_mx.fatbinary import Fatbinary, library_fatbinaries, read_fatbinaries
 from partial_fc_mx.gpu_support import MXNET_191_WHEELS, Gpu, how_it_runs, render_table, verdict
 
 H100, A100 = "NVIDIA H100 80GB HBM3=9.0", "NVIDIA A100-SXM4-40GB=8.0"
+REAL_MXNET = Path(importlib.util.find_spec("mxnet").origin).parent
 CU117 = Fatbinary(sass=(50, 60, 70, 80, 86), ptx=())
 
 
@@ -62,6 +65,14 @@ def test_every_fatbinary_in_a_library_is_found_with_its_images(tmp_path):
     assert read_fatbinaries(b"no GPU code here" * 100) == Counter()
 
 
+def test_empty_and_unknown_containers_are_passed_over():
+    empty = container()
+    unknown_kind = container(image(0x40, 90, b"?" * 8))
+    zero_sized = struct.pack("<IHHQ", 0xBA55ED50, 1, 16, 64) + bytes(64)  # image header size 0
+    data = empty + unknown_kind + zero_sized + ADA_ONLY
+    assert read_fatbinaries(data) == Counter({Fatbinary(sass=(86,), ptx=()): 1})
+
+
 def test_the_parse_is_cached_until_the_library_changes(tmp_path, monkeypatch):
     library = write_library(tmp_path / "libfake.so", ADA_ONLY)
     cache = tmp_path / "cache"
@@ -81,6 +92,30 @@ def test_the_parse_is_cached_until_the_library_changes(tmp_path, monkeypatch):
     assert len(reads) == 2
 
 
+def test_a_cache_that_cannot_be_used_only_costs_time(tmp_path):
+    library = write_library(tmp_path / "libfake.so", ADA_ONLY)
+    expected = Counter({Fatbinary(sass=(86,), ptx=()): 1})
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_text("")
+    assert library_fatbinaries(library, not_a_directory) == expected
+    cache = tmp_path / "cache"
+    library_fatbinaries(library, cache)
+    for entry in cache.glob("*.json"):  # an entry that cannot be read as a file
+        entry.unlink()
+        entry.mkdir()
+    assert library_fatbinaries(library, cache) == expected
+
+
+def test_a_library_that_cannot_be_read_is_a_problem_line_not_an_exception(monkeypatch):
+    def unreadable(library, cache_dir):
+        raise PermissionError(13, "Permission denied", str(library))
+
+    monkeypatch.setattr(gpu_support, "library_fatbinaries", unreadable)
+    [line] = gpu_support.installed_report()
+    assert line.problem and line.text.startswith("cannot read ") and "libmxnet.so" in line.text
+    assert "Permission denied" in line.text
+
+
 @pytest.mark.parametrize("gpu, fatbinary, expected", [
     ((9, 0), CU117, None),  # H100/H200: no sm_9x SASS, no PTX
     ((10, 0), CU117, None),  # B200
@@ -91,6 +126,9 @@ def test_the_parse_is_cached_until_the_library_changes(tmp_path, monkeypatch):
     ((9, 0), Fatbinary(sass=(80,), ptx=(80,)), "ptx"),  # the driver compiles compute_80
     ((8, 6), Fatbinary(sass=(90,), ptx=(90,)), None),  # PTX for a newer GPU cannot run
     ((10, 0), Fatbinary(sass=(90,), ptx=()), None),  # SASS never crosses a generation
+    ((8, 0), Fatbinary(sass=(86,), ptx=()), None),  # nor runs on an older minor
+    ((7, 0), Fatbinary(sass=(75,), ptx=()), None),
+    ((7, 5), Fatbinary(sass=(75,), ptx=()), "sass"),
 ])
 def test_which_code_a_gpu_can_run(gpu, fatbinary, expected):
     assert how_it_runs(gpu, fatbinary) == expected
@@ -99,7 +137,7 @@ def test_which_code_a_gpu_can_run(gpu, fatbinary, expected):
 def test_an_h100_is_refused_with_the_facts_and_the_options():
     line, problem = verdict(Gpu(0, "NVIDIA H100 80GB HBM3", (9, 0)),
                             MXNET_191_WHEELS["mxnet-cu117"].fatbinaries, "mxnet-cu117 1.9.1")
-    assert problem
+    assert problem is True
     assert line.startswith("GPU 0 (NVIDIA H100 80GB HBM3, compute capability 9.0) cannot run")
     assert "SASS for sm_50, sm_60, sm_70, sm_80, sm_86; PTX for none" in line
     assert "197 of its 197 fatbinaries have no code for 9.0" in line
@@ -115,6 +153,8 @@ def test_one_fatbinary_without_code_is_enough_to_refuse():
     assert not problem and "supported through PTX" in line
     assert verdict(Gpu(2, "A10", (8, 6)), mostly_hopper, "a build") == (
         "GPU 2 (A10, compute capability 8.6): supported (SASS)", False)
+    groups = Counter({Fatbinary((80,), ()): 5, Fatbinary((70, 80), ()): 7})  # both fail on 9.0
+    assert "12 of its 12 fatbinaries" in verdict(Gpu(0, "H100", (9, 0)), groups, "c").text
 
 
 def test_the_readme_table_is_what_the_wheels_hold():
@@ -148,6 +188,7 @@ def gpu_wheel_without_cuda(tmp_path) -> Path:
     (site / "mxnet" / "__init__.py").write_text(
         "raise OSError('libcudart.so.11.0: cannot open shared object file: "
         "No such file or directory')\n")
+    shutil.copy(REAL_MXNET / "libinfo.py", site / "mxnet")  # how mxnet finds its library
     cu117 = container(*(image(SASS, arch, b"k" * 40) for arch in CU117.sass))
     write_library(site / "mxnet" / "libmxnet.so", cu117, cu117)
     (site / "mxnet_cu117-1.9.1.dist-info").mkdir()
@@ -159,7 +200,7 @@ def gpu_wheel_without_cuda(tmp_path) -> Path:
 def test_a_wheel_is_judged_before_it_is_installed(fake_driver, tmp_path):
     result = run(python_module("gpus", "--wheel", "mxnet-cu117"),
                  env=with_gpus(fake_driver, tmp_path, H100, A100), timeout=60)
-    assert result.returncode == 1, result.stdout
+    assert result.returncode == 3, result.stdout
     lines = result.stdout.splitlines()
     assert lines[0].startswith("PROBLEM: GPU 0 (NVIDIA H100 80GB HBM3, compute capability 9.0)"
                                " cannot run MXNet's kernels: mxnet-cu117 1.9.1 has SASS")
@@ -172,12 +213,22 @@ def test_a_wheel_is_judged_before_it_is_installed(fake_driver, tmp_path):
 
 
 def test_a_broken_driver_or_no_gpu_is_said_plainly(fake_driver, tmp_path):
-    broken = run(python_module("gpus"), timeout=60,
-                 env={**with_gpus(fake_driver, tmp_path, H100), "FAKE_CUDA_INIT": "999"})
-    assert broken.returncode == 1
-    assert "PROBLEM: the CUDA driver did not start (cuInit returned 999)" in broken.stdout
+    broken = {**with_gpus(fake_driver, tmp_path, H100), "FAKE_CUDA_INIT": "999"}
+    for_a_gpu_wheel = run(python_module("gpus", "--wheel", "mxnet-cu117"), env=broken,
+                          timeout=60)
+    assert for_a_gpu_wheel.returncode == 3
+    assert "PROBLEM: the CUDA driver failed: cuInit returned 999" in for_a_gpu_wheel.stdout
+    cpu_build = run(python_module("gpus"), env=broken, timeout=60)  # the venv's CPU MXNet
+    assert cpu_build.returncode == 0 and "PROBLEM" not in cpu_build.stdout
+    assert "cuInit returned 999" in cpu_build.stdout and "is the CPU build" in cpu_build.stdout
+    stub = {**with_gpus(fake_driver, tmp_path, H100), "FAKE_CUDA_INIT": "34"}  # build images
+    stubbed = run(python_module("gpus", "--wheel", "mxnet-cu117"), env=stub, timeout=60)
+    assert stubbed.returncode == 0 and "no NVIDIA driver on this host" in stubbed.stdout
     none = run(python_module("gpus"), env=with_gpus(fake_driver, tmp_path), timeout=60)
     assert none.returncode == 0 and "the NVIDIA driver sees none" in none.stdout
+    no_driver = run(python_module("gpus", "--wheel", "mxnet-cu117"), timeout=60,
+                    env={"PFC_CACHE_DIR": str(tmp_path / "cache")})
+    assert no_driver.returncode == 0 and "no NVIDIA driver on this host" in no_driver.stdout
 
 
 def test_the_preflight_names_the_gpu_problem_even_when_mxnet_cannot_load(
@@ -234,12 +285,38 @@ def test_install_refuses_a_gpu_wheel_for_an_h100_before_installing_anything(
 def test_the_installed_build_is_named_by_the_distribution_beside_it(
         gpu_wheel_without_cuda, tmp_path):
     """Not by any mxnet-cuXXX found elsewhere on sys.path (here: the venv's CPU mxnet)."""
-    probe = ("from partial_fc_mx import gpu_support as g; "
-             "print(g.mxnet_cuda_version(), g.installed_build()[0])")
+    probe = ("from partial_fc_mx import gpu_support as g; print(g.mxnet_cuda_version())")
     cache = {"PFC_CACHE_DIR": str(tmp_path / "cache")}
     result = run([str(BIN / "python"), "-c", probe], timeout=60,
                  env={**cache, "PYTHONPATH": str(gpu_wheel_without_cuda)})
-    library = gpu_wheel_without_cuda / "mxnet" / "libmxnet.so"
-    assert result.stdout.strip() == f"(11, 7) mxnet-cu117 1.9.1 ({library})", result.stdout
+    assert result.stdout.strip() == "(11, 7)", result.stdout
     venv = run([str(BIN / "python"), "-c", probe], env=cache, timeout=60)
-    assert venv.stdout.startswith("None mxnet 1.9.1 ("), venv.stdout
+    assert venv.stdout.strip() == "None", venv.stdout
+
+
+def test_the_preflight_refuses_an_h100_on_every_rank(fake_driver, tmp_path):
+    """MXNet that imports, whose library (found through MXNET_LIBRARY_PATH, as
+    `import mxnet` finds it) has cu117's kernels: the real CPU library with cu117's
+    fatbinary layout appended, which the dynamic loader ignores."""
+    library = tmp_path / "libmxnet.so"
+    shutil.copy(REAL_MXNET / "libmxnet.so", library)
+    cu117 = container(*(image(SASS, arch, b"k" * 40) for arch in CU117.sass))
+    with open(library, "ab") as appended:
+        appended.write(cu117 * 3)
+    config = tmp_path / "cfg.py"
+    config.write_text(f"rec = 'random'\nnum_classes = 10\noutput = '{tmp_path / 'out'}'\n")
+    env = {**with_gpus(fake_driver, tmp_path, H100), "MXNET_LIBRARY_PATH": str(library),
+           "LD_LIBRARY_PATH": f"{fake_driver}:{REAL_MXNET}"}  # and the BLAS it links
+    command = mpirun_command(2, ["-x", "LD_LIBRARY_PATH", "-x", "FAKE_CUDA_GPUS",
+                                 "-x", "PFC_CACHE_DIR", "-x", "MXNET_LIBRARY_PATH",
+                                 *python_module("check", str(config))])
+    result = run(command, env=env, timeout=180)
+    assert result.returncode == 1, result.stdout
+    problems = [line for line in result.stdout.splitlines() if line.startswith("PROBLEM")]
+    assert len(problems) == 1, result.stdout  # the same problem on both ranks: one line
+    assert problems[0].startswith("PROBLEM: rank 0 (")
+    assert ", rank 1 (" in problems[0]
+    assert (f"GPU 0 (NVIDIA H100 80GB HBM3, compute capability 9.0) cannot run MXNet's "
+            f"kernels: mxnet 1.9.1 ({library}) has SASS for sm_50, sm_60, sm_70, sm_80, "
+            "sm_86; PTX for none, so 3 of its 3 fatbinaries") in problems[0]
+    assert "1 problem(s) found" in result.stdout
