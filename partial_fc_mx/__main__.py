@@ -48,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                "held-out verification set")
     orl.add_argument("out", nargs="?", default="data/orl")
     orl.add_argument("--heldout", type=int, default=10, help="identities kept for verification")
+    orl.add_argument("--seed", type=int, default=0, help="which identities are held out "
+                                                         "(and which pairs are drawn)")
+    orl.add_argument("--pairs", type=int, default=450,
+                     help="genuine pairs of held-out people (as many impostor pairs); "
+                          "10 people have about 450")
     synthetic = commands.add_parser("pack-synthetic", help="synthetic identities + a held-out "
                                                            "verification set")
     synthetic.add_argument("out")
@@ -80,8 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     onnx_check.add_argument("--runs", type=int, default=20)
     onnx_check.add_argument("--max-mb", type=float, default=0.0, help="size budget")
     onnx_check.add_argument("--max-ms", type=float, default=0.0, help="latency budget")
-    plot = commands.add_parser("plot", help="PNG curves from WORK_DIR/training.log")
-    plot.add_argument("work_dir")
+    plot = commands.add_parser("plot", help="PNG curves from WORK_DIR/training.log; several "
+                                            "work dirs are compared on the same figures")
+    plot.add_argument("work_dirs", nargs="+", metavar="work_dir")
+    plot.add_argument("--out", help="where the PNGs go (default: WORK_DIR/plots for one "
+                                    "work dir, ./plots for several)")
     inspect = commands.add_parser("inspect", help="counts, header consistency, corrupt records")
     inspect.add_argument("directory")
     inspect.add_argument("--scan", action="store_true", help="decode every image")
@@ -218,7 +226,7 @@ def data_command(args: argparse.Namespace) -> int:
     elif args.command == "pack-orl":
         from .data.orl import prepare_orl
 
-        orl = prepare_orl(args.out, heldout=args.heldout)
+        orl = prepare_orl(args.out, heldout=args.heldout, pairs=args.pairs, seed=args.seed)
         print(f"{args.out}: {orl.train.images} images of {orl.train.classes} people; "
               f"orl_heldout.bin: {orl.pairs} pairs of {len(orl.heldout_people)} other people; "
               f"skipped {len(orl.damaged)} damaged file(s): {', '.join(orl.damaged)}")
@@ -241,9 +249,9 @@ def data_command(args: argparse.Namespace) -> int:
 def model_file_command(args: argparse.Namespace) -> int:
     """eval, export, check-onnx, plot: commands on what training wrote."""
     if args.command == "plot":
-        from .plot import plot_work_dir
+        from .plot import plot_work_dirs
 
-        for path in plot_work_dir(args.work_dir):
+        for path in plot_work_dirs(args.work_dirs, args.out):
             print(f"wrote {path}")
         return 0
     from . import export

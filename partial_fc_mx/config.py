@@ -18,6 +18,10 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .data.augment import Augmentation
 
 
 class ConfigError(ValueError):
@@ -42,6 +46,15 @@ class Config:
     """Decode threads per process."""
     skip_corrupt: bool = False
     """Replace undecodable images by others of the same batch (counted) instead of failing."""
+    augment_crop_scale: float = 1.0
+    """Training augmentation (data/augment.py), all off by default: the smallest area of
+    a random square crop, as a share of the image (1: no crop)..."""
+    augment_rotate: float = 0.0
+    """... the largest random rotation in degrees ..."""
+    augment_color: float = 0.0
+    """... the largest relative change of contrast and brightness ..."""
+    augment_blur: float = 0.0
+    """... and the probability of a slight Gaussian blur."""
 
     # --- model ---
     network: str = "r50"
@@ -130,6 +143,7 @@ class Config:
             problems.append(f"optimizer={self.optimizer!r} must be 'sgd' or 'adamw'")
         if not 0 <= self.dropout < 1:
             problems.append(f"dropout={self.dropout} must be in [0, 1)")
+        problems += self.augmentation().problems()
         if any(not isinstance(s, int) or s <= 0 for s in self.lr_steps):
             problems.append(f"lr_steps={self.lr_steps} must be positive step counts")
         if problems:
@@ -149,6 +163,12 @@ class Config:
                 f"sample_rate={self.sample_rate} samples 0 of the {smallest_shard} class "
                 f"centers a process holds ({self.num_classes} classes / {world_size} "
                 f"processes): no negatives would be scored. Use sample_rate >= {need:.3g}")
+
+    def augmentation(self) -> Augmentation:
+        from .data.augment import Augmentation  # OpenCV: not for the stdlib-only commands
+
+        return Augmentation(self.augment_crop_scale, self.augment_rotate, self.augment_color,
+                            self.augment_blur)
 
     def val_paths(self) -> list[Path]:
         """Paths of the verification sets, with bare names resolved inside `rec`."""

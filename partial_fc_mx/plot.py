@@ -1,7 +1,7 @@
-"""`python -m partial_fc_mx plot WORK_DIR`: training.log as pictures.
+"""`python -m partial_fc_mx plot WORK_DIR [WORK_DIR ...]`: training.log as pictures.
 
-Writes loss.png, learning_rate.png, speed.png and verification.png into
-WORK_DIR/plots, from the lines the trainer logs (no TensorBoard needed).
+Writes loss.png, learning_rate.png, speed.png and verification.png, from the lines
+the trainer logs (no TensorBoard needed); several work dirs share each figure.
 """
 
 from __future__ import annotations
@@ -34,39 +34,56 @@ def read_log(path: Path) -> dict:
     return series
 
 
-def plot_work_dir(work_dir: str) -> list[Path]:
+def plot_work_dirs(work_dirs: list[str], out: str | None = None) -> list[Path]:
+    """One figure per quantity, one curve per work dir: comparing runs (an ablation's
+    arms) needs them on the same axes. Written to `out`, by default WORK_DIR/plots for
+    one work dir and ./plots for several."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    log = Path(work_dir) / "training.log"
+    runs = {label(path, len(work_dirs)): read_work_dir(Path(path)) for path in work_dirs}
+    out_dir = Path(out or (Path(work_dirs[0]) / "plots" if len(work_dirs) == 1 else "plots"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    title = ", ".join(runs)
+    written = []
+
+    def save(figure, axes, name: str, ylabel: str) -> None:
+        axes.set(xlabel="global step", ylabel=ylabel, title=f"{ylabel} ({title})")
+        axes.grid(alpha=0.3)
+        if len(axes.get_lines()) > 1:
+            axes.legend()
+        written.append(out_dir / f"{name}.png")
+        figure.savefig(written[-1], dpi=100, bbox_inches="tight")
+        plt.close(figure)
+
+    for key, ylabel in (("loss", "loss"), ("learning_rate", "learning rate"),
+                        ("speed", "samples / s")):
+        figure, axes = plt.subplots(figsize=(6, 4))
+        for name, series in runs.items():
+            axes.plot(series["step"], series[key], label=name)
+        save(figure, axes, key, ylabel)
+    if any(series["verification"] for series in runs.values()):
+        figure, axes = plt.subplots(figsize=(6, 4))
+        for name, series in runs.items():
+            for target, points in series["verification"].items():
+                steps, accuracy = zip(*points)
+                axes.plot(steps, accuracy, marker="o", label=f"{name} {target}".strip())
+        save(figure, axes, "verification", "verification accuracy")
+    return written
+
+
+def label(work_dir: str, runs: int) -> str:
+    """'' for a single run; 'arm/split0' (the last two parts of the path) otherwise."""
+    return "" if runs == 1 else "/".join(Path(work_dir).resolve().parts[-2:])
+
+
+def read_work_dir(work_dir: Path) -> dict:
+    log = work_dir / "training.log"
     if not log.is_file():
         raise DataError(f"{log} does not exist: plot reads the training.log of a work dir")
     series = read_log(log)
     if not series["step"]:
         raise DataError(f"{log} has no training lines ('Speed ... Loss ... Global Step')")
-    out = Path(work_dir) / "plots"
-    out.mkdir(exist_ok=True)
-    written = []
-    for key, label in (("loss", "loss"), ("learning_rate", "learning rate"),
-                       ("speed", "samples / s")):
-        figure, axes = plt.subplots(figsize=(6, 4))
-        axes.plot(series["step"], series[key])
-        axes.set(xlabel="global step", ylabel=label, title=f"{label} ({Path(work_dir).name})")
-        axes.grid(alpha=0.3)
-        written.append(out / f"{key}.png")
-        figure.savefig(written[-1], dpi=100, bbox_inches="tight")
-        plt.close(figure)
-    if series["verification"]:
-        figure, axes = plt.subplots(figsize=(6, 4))
-        for name, points in series["verification"].items():
-            steps, accuracy = zip(*points)
-            axes.plot(steps, accuracy, marker="o", label=name)
-        axes.set(xlabel="global step", ylabel="verification accuracy", title="verification")
-        axes.grid(alpha=0.3)
-        axes.legend()
-        written.append(out / "verification.png")
-        figure.savefig(written[-1], dpi=100, bbox_inches="tight")
-        plt.close(figure)
-    return written
+    return series

@@ -222,7 +222,8 @@ def make_loader(config: Config, world: dist.World) -> tuple:
     return dataset, FaceLoader(dataset, config.batch_size, rank=world.rank,
                                world_size=world.size, seed=config.seed,
                                num_workers=config.num_workers,
-                               skip_corrupt=config.skip_corrupt)
+                               skip_corrupt=config.skip_corrupt,
+                               augment=config.augmentation())
 
 
 def build_backbone(config: Config, ctx: mx.Context):

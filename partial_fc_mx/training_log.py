@@ -26,11 +26,13 @@ class TrainingLog:
         self._tic, self._tic_step = time.time(), first_step
         self.data_wait = WaitTimer()  # the trainer times its loader with it: DataWait
         self.bar = self.writer = None
+        self.handlers: list[logging.Handler] = []
         if not enabled:
             return
         formatter = logging.Formatter("%(asctime)s %(message)s")
-        for handler in (logging.FileHandler(work_dir / "training.log"),
-                        logging.StreamHandler(sys.stdout)):
+        self.handlers = [logging.FileHandler(work_dir / "training.log"),
+                         logging.StreamHandler(sys.stdout)]
+        for handler in self.handlers:
             handler.setFormatter(formatter)
             self.logger.addHandler(handler)
         self.writer = SummaryWriter(str(work_dir / "tensorboard"))
@@ -71,6 +73,11 @@ class TrainingLog:
             self.writer.flush()
 
     def close(self) -> None:
+        """Also detaches its handlers: a later log in the same process (a second run,
+        a test) must not write into this one's file."""
+        for handler in self.handlers:
+            self.logger.removeHandler(handler)
+            handler.close()
         if self.bar is not None:
             self.bar.close()
         if self.writer is not None:

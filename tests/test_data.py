@@ -265,6 +265,15 @@ def test_orl_faces_are_repaired_split_and_verifiable(tmp_path):
     assert decode_face(images[0])[0].shape == (112, 112, 3)
 
 
+def test_orl_splits_are_chosen_by_the_seed_and_all_genuine_pairs_fit(tmp_path):
+    splits = [prepare_orl(str(tmp_path / f"orl{seed}"), seed=seed) for seed in (0, 1, 0)]
+    assert splits[0].heldout_people == splits[2].heldout_people
+    assert splits[0].heldout_people != splits[1].heldout_people
+    for split in splits[:2]:  # 10 people x 10 images: 450 genuine pairs, fewer if damaged
+        damaged = len({8, 9} & set(split.heldout_people))
+        assert split.pairs == 2 * (450 - 9 * damaged)
+
+
 def test_pgm_crlf_damage_is_repaired_or_refused():
     payload = bytes(range(256)) * 40 + bytes(10304 - 10240)
     clean = b"P5\n92 112\n255\n" + payload

@@ -31,3 +31,43 @@ def test_the_log_says_how_much_of_a_step_waits_for_data(tmp_path, data_seconds, 
     waits = [float(x) for x in re.findall(r"DataWait: ([\d.]+)%", text)]
     assert len(waits) == 2 and all(low <= wait <= high for wait in waits), text
     assert read_log(tmp_path / "training.log")["step"] == [3, 6]  # plot still reads it
+
+
+def write_run(work_dir, losses: list[float], accuracies: dict[int, float]) -> None:
+    work_dir.mkdir(parents=True)
+    log = TrainingLog(work_dir, enabled=True, total_steps=len(losses), global_batch=8,
+                      frequent=1)
+    for step, loss in enumerate(losses, start=1):
+        log.step(step, epoch=0, loss=loss, lr=0.1, loss_scale=1.0, images=8 * step)
+        if step in accuracies:
+            log.info(f"[heldout][{step}]Accuracy-Flip: {accuracies[step]:.5f}+-0.01000")
+    log.close()
+
+
+def test_plot_compares_several_runs_on_the_same_figures(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    from partial_fc_mx.plot import plot_work_dirs
+
+    write_run(tmp_path / "plain" / "split0", [3.0, 2.0, 1.5, 1.0], {2: 0.80, 4: 0.85})
+    write_run(tmp_path / "augmented" / "split0", [3.0, 2.5, 2.0, 1.8], {2: 0.82, 4: 0.90})
+    curves = {}
+    real_savefig = matplotlib.figure.Figure.savefig
+
+    def savefig(figure, path, **kwargs):
+        curves[path.name] = {line.get_label(): list(line.get_ydata())
+                             for line in figure.axes[0].get_lines()}
+        return real_savefig(figure, path, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    written = plot_work_dirs([str(tmp_path / "plain" / "split0"),
+                              str(tmp_path / "augmented" / "split0")], str(tmp_path / "out"))
+    assert sorted(p.name for p in written) == ["learning_rate.png", "loss.png", "speed.png",
+                                               "verification.png"]
+    assert all(p.parent == tmp_path / "out" and p.stat().st_size > 5000 for p in written)
+    assert curves["loss.png"] == {"plain/split0": [3.0, 2.0, 1.5, 1.0],
+                                  "augmented/split0": [3.0, 2.5, 2.0, 1.8]}
+    assert curves["verification.png"] == {"plain/split0 heldout": [0.80, 0.85],
+                                          "augmented/split0 heldout": [0.82, 0.90]}
+    alone = plot_work_dirs([str(tmp_path / "plain" / "split0")])
+    assert {p.parent for p in alone} == {tmp_path / "plain" / "split0" / "plots"}

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import dist
+from .augment import Augmentation
 from .recordio import DataError, RecordDataset, valid_class_ids
 from .transforms import FACE_SIZE, decode_face, to_network_input
 
@@ -59,11 +60,13 @@ class FaceLoader:
         prefetch: int = 2,
         mirror: bool = True,
         skip_corrupt: bool = False,
+        augment: Augmentation | None = None,
     ) -> None:
         self.dataset, self.batch_size = dataset, batch_size
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.num_workers, self.prefetch = max(1, num_workers), max(1, prefetch)
         self.mirror, self.skip_corrupt = mirror, skip_corrupt
+        self.augment = augment if augment is not None and augment.active else None
         self.num_images = len(dataset)
         """Images in one epoch's order (all ranks together)."""
         self.global_batch = batch_size * world_size
@@ -102,6 +105,7 @@ class FaceLoader:
     def epoch(self, epoch: int, start: int = 0) -> Iterator[Batch]:
         """The batches of one epoch from image `start` of its order on (to resume)."""
         ids, mirrors = self.record_ids(epoch, start), self.mirror_flags(epoch, start)
+        positions = self.positions(start)
         ready: queue.Queue = queue.Queue(maxsize=self.prefetch)
         stop = threading.Event()
 
@@ -120,7 +124,9 @@ class FaceLoader:
             try:
                 with ThreadPoolExecutor(self.num_workers, thread_name_prefix="decode") as pool:
                     for row in range(len(ids)):
-                        if not offer(self._load_batch(pool, ids[row], mirrors[row])):
+                        batch = self._load_batch(pool, ids[row], mirrors[row],
+                                                 (epoch, positions[row]))
+                        if not offer(batch):
                             return
             except Exception as error:  # handed to the consumer, raised there
                 offer(error)
@@ -138,14 +144,17 @@ class FaceLoader:
             stop.set()
             producer.join()
 
-    def _load_batch(self, pool: ThreadPoolExecutor, ids: np.ndarray, mirrors: np.ndarray) -> Batch:
+    def _load_batch(self, pool: ThreadPoolExecutor, ids: np.ndarray, mirrors: np.ndarray,
+                    where: tuple[int, np.ndarray]) -> Batch:
         """Each worker decodes a contiguous slice of the batch straight into place (one
-        task per worker, not per image: per-image futures cost ~15% at 5k img/s)."""
+        task per worker, not per image: per-image futures cost ~15% at 5k img/s).
+        `where`: the epoch and the batch's positions in its order, which seed the
+        augmentation of each image."""
         images = np.empty((len(ids), FACE_SIZE, FACE_SIZE, 3), np.uint8)
         labels = np.empty(len(ids), np.int64)
         slices = np.array_split(np.arange(len(ids)), self.num_workers)
-        done = list(pool.map(lambda rows: self._load_rows(rows, ids, mirrors, images, labels),
-                             slices))
+        done = list(pool.map(
+            lambda rows: self._load_rows(rows, ids, mirrors, where, images, labels), slices))
         self.stats.resized += sum(resized for _, resized in done)
         bad_rows = [row for rows, _ in done for row in rows]
         corrupt = [int(ids[row]) for row in bad_rows]
@@ -164,7 +173,8 @@ class FaceLoader:
         return Batch(to_network_input(images), labels)
 
     def _load_rows(self, rows: np.ndarray, ids: np.ndarray, mirrors: np.ndarray,
-                   images: np.ndarray, labels: np.ndarray) -> tuple[list, int]:
+                   where: tuple[int, np.ndarray], images: np.ndarray,
+                   labels: np.ndarray) -> tuple[list, int]:
         """Decode ids[rows] into images[rows]; returns (rows that were corrupt, resized)."""
         corrupt, resized = [], 0
         for row in rows:
@@ -182,6 +192,10 @@ class FaceLoader:
             if was_resized and self.stats.resized + resized == 0:
                 log.warning("%s: record %d is not %dx%d; resizing (counted in loader.stats)",
                             self.dataset.records.rec_path, record_id, FACE_SIZE, FACE_SIZE)
+            if self.augment:
+                epoch, positions = where
+                image = self.augment(image, np.random.default_rng(
+                    [self.seed, epoch, 2, int(positions[row])]))
             images[row], labels[row] = image, int(label)
             resized += was_resized
         return corrupt, resized

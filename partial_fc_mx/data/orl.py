@@ -74,8 +74,10 @@ def read_orl() -> tuple[dict[int, list[np.ndarray]], list[str]]:
     return people, damaged
 
 
-def prepare_orl(out_dir: str, heldout: int = 10, pairs: int = 300, seed: int = 0) -> OrlReport:
-    """Pack the ORL faces into out_dir: training identities and orl_heldout.bin."""
+def prepare_orl(out_dir: str, heldout: int = 10, pairs: int = 450, seed: int = 0) -> OrlReport:
+    """Pack the ORL faces into out_dir: training identities and orl_heldout.bin, up to
+    `pairs` genuine pairs of the held-out people (10 people: about 450, all there are)
+    and as many impostor pairs. `seed` picks the held-out people and the pairs."""
     people, damaged = read_orl()
     order = np.random.default_rng(seed).permutation(sorted(people))
     held, train = sorted(order[:heldout].tolist()), sorted(order[heldout:].tolist())
