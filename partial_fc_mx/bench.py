@@ -28,6 +28,7 @@ import numpy as np
 import psutil
 
 from . import dist, durable
+from .data.augment import Augmentation
 from .data.loader import FaceLoader, WaitTimer
 from .data.recordio import RecordDataset
 from .data.synthetic import prepare_synthetic
@@ -289,6 +290,15 @@ def run_data(args) -> None:
             print(f"  {workers} worker(s): ours {ours:7.0f} img/s ({ours / workers:6.0f} per "
                   f"worker)   mx.io.ImageRecordIter {theirs_rate:7.0f} img/s   ratio "
                   f"{ours / theirs_rate:.2f}")
+        plain = FaceLoader(dataset, args.batch_size, num_workers=args.workers, seed=0)
+        augmented = FaceLoader(dataset, args.batch_size, num_workers=args.workers, seed=0,
+                               augment=Augmentation(crop_scale=0.8, rotate=10, color=0.2,
+                                                    blur=0.2))
+        rates = [images_per_second(iter(loader.epoch(0)), batches, args.batch_size)
+                 for loader in (plain, augmented, plain)]  # plain twice: the noise between
+        print(f"  {args.workers} worker(s), with crop, rotation, colour and blur (configs/"
+              f"orl.py): {rates[1]:7.0f} img/s; without: {rates[0]:7.0f} and {rates[2]:7.0f} "
+              f"img/s; ratio {2 * rates[1] / (rates[0] + rates[2]):.2f}")
         loader = FaceLoader(dataset, args.batch_size, num_workers=args.workers, seed=0)
         wait, start = WaitTimer(), time.perf_counter()
         for _ in zip(range(batches), wait.timed(loader.epoch(0))):
