@@ -28,13 +28,15 @@ import numpy as np
 import psutil
 
 from . import dist, durable
-from .data.augment import Augmentation
+from .config import load_config
 from .data.loader import FaceLoader, WaitTimer
 from .data.recordio import RecordDataset
 from .data.synthetic import prepare_synthetic
 from .partial_fc import PartialFC, estimate_memory, shard_of
 
 MiB = 1024**2
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 class PhaseTimer:
@@ -291,9 +293,9 @@ def run_data(args) -> None:
                   f"worker)   mx.io.ImageRecordIter {theirs_rate:7.0f} img/s   ratio "
                   f"{ours / theirs_rate:.2f}")
         plain = FaceLoader(dataset, args.batch_size, num_workers=args.workers, seed=0)
+        recipe = load_config(REPO / "configs" / "orl.py").augmentation()
         augmented = FaceLoader(dataset, args.batch_size, num_workers=args.workers, seed=0,
-                               augment=Augmentation(crop_scale=0.8, rotate=10, color=0.2,
-                                                    blur=0.2))
+                               augment=recipe)
         rates = [images_per_second(iter(loader.epoch(0)), batches, args.batch_size)
                  for loader in (plain, augmented, plain)]  # plain twice: the noise between
         print(f"  {args.workers} worker(s), with crop, rotation, colour and blur (configs/"

@@ -28,9 +28,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .data.orl import prepare_orl
+from .plot import read_log
 
 REPO = Path(__file__).resolve().parents[1]
-ACCURACY = re.compile(r"\]\[(\d+)\]Accuracy-Flip: ([\d.]+)")
 BASELINE = re.compile(r"eigenfaces \(PCA\) baseline ([\d.]+)")
 
 
@@ -72,10 +72,10 @@ def train_once(config: str, data: Path, overrides: list[str], work_dir: Path,
         raise SystemExit(f"training failed (exit {done.returncode}); its output: "
                          f"{work_dir / 'output.txt'}")
     minutes = (time.perf_counter() - started) / 60
-    text = (work_dir / "training.log").read_text()
-    accuracies = [float(a) for _, a in ACCURACY.findall(text)]
-    return RunResult(overrides, accuracies[0], accuracies[-1],
-                     float(BASELINE.findall(text)[-1]), minutes)
+    log = work_dir / "training.log"
+    [accuracies] = read_log(log)["verification"].values()  # (step, accuracy) of orl_heldout
+    return RunResult(overrides, accuracies[0][1], accuracies[-1][1],
+                     float(BASELINE.findall(log.read_text())[-1]), minutes)
 
 
 def run_arm(config: str, work: Path, name: str, overrides: list[str], seeds: list[int],

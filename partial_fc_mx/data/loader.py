@@ -89,13 +89,18 @@ class FaceLoader:
 
     def record_ids(self, epoch: int, start: int = 0) -> np.ndarray:
         """This rank's record ids for `epoch` from image `start` on (steps x B)."""
-        order = np.random.default_rng([self.seed, epoch]).permutation(self.num_images)
-        return self.dataset.image_ids[order[self.positions(start)]]
+        return self._record_ids(epoch, self.positions(start))
 
     def mirror_flags(self, epoch: int, start: int = 0) -> np.ndarray:
         """Which of this rank's images are mirrored: one random bit per position of the
         epoch (packed, so N images cost N / 8 bytes), independent of the world size."""
-        positions = self.positions(start)
+        return self._mirror_flags(epoch, self.positions(start))
+
+    def _record_ids(self, epoch: int, positions: np.ndarray) -> np.ndarray:
+        order = np.random.default_rng([self.seed, epoch]).permutation(self.num_images)
+        return self.dataset.image_ids[order[positions]]
+
+    def _mirror_flags(self, epoch: int, positions: np.ndarray) -> np.ndarray:
         if not self.mirror:
             return np.zeros(positions.shape, bool)
         bits = np.frombuffer(np.random.default_rng([self.seed, epoch, 1]).bytes(
@@ -104,8 +109,8 @@ class FaceLoader:
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[Batch]:
         """The batches of one epoch from image `start` of its order on (to resume)."""
-        ids, mirrors = self.record_ids(epoch, start), self.mirror_flags(epoch, start)
-        positions = self.positions(start)
+        positions = self.positions(start)  # they also seed each image's augmentation
+        ids, mirrors = self._record_ids(epoch, positions), self._mirror_flags(epoch, positions)
         ready: queue.Queue = queue.Queue(maxsize=self.prefetch)
         stop = threading.Event()
 
