@@ -19,8 +19,10 @@ from partial_fc_mx.evaluation.verification import (
     best_threshold,
     embed,
     load_bin,
+    pair_similarities,
     tar_at_far,
     ten_fold_accuracy,
+    verify,
 )
 from partial_fc_mx.export import check_onnx, export_onnx, load_backbone, onnx_session, parity
 
@@ -84,6 +86,31 @@ def test_bin_files_are_read_and_bad_ones_named(tmp_path):
         load_bin(write_bin(tmp_path / "odd.bin", [face] * 21, issame))
     with pytest.raises(DataError, match=r"broken\.bin: image 1 cannot be decoded"):
         load_bin(write_bin(tmp_path / "broken.bin", [face, b"junk"] * 10, issame))
+
+
+def test_each_distinct_face_is_embedded_once_with_the_same_result(tmp_path):
+    """Pair sets reuse faces; embedding each distinct one once must not change any
+    similarity: the result equals embedding all 2K images."""
+    rng = np.random.default_rng(3)
+    faces = [encode_jpeg(rng.integers(0, 256, (112, 112, 3), np.uint8)) for _ in range(6)]
+    picks = rng.integers(0, 6, 40)
+    issame = (picks[0::2] % 3 == picks[1::2] % 3).tolist()
+    dataset = load_bin(write_bin(tmp_path / "reused.bin", [faces[i] for i in picks], issame))
+    assert dataset.images.shape == (40, 3, 112, 112)
+    assert len(dataset.distinct) == len(set(picks.tolist()))
+    projection = rng.standard_normal((3 * 112 * 112, 8)).astype(np.float32)
+    seen = []
+
+    def forward(batch):
+        seen.append(len(batch))
+        return batch.reshape(len(batch), -1) @ projection
+
+    result = verify(forward, dataset)
+    assert sum(seen) == 2 * len(dataset.distinct)  # each face and its mirror image, once
+    every_image = embed(forward, dataset.images)
+    expected = ten_fold_accuracy(pair_similarities(every_image), np.asarray(issame))
+    assert result.accuracy == expected.accuracy and result.threshold == pytest.approx(
+        expected.threshold, abs=1e-5)
 
 
 @pytest.mark.parametrize("pairs", [0, 1, 9])
