@@ -9,28 +9,42 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from pathlib import Path
+from typing import NamedTuple
 
 from .data.recordio import DataError
 
 STEP_LINE = re.compile(r"Speed ([\d.]+) samples/sec\s+Loss ([\d.naninf]+)\s+LearningRate "
-                       r"([\d.e-]+)\s+Epoch: (\d+)\s+Global Step: (\d+)")
-EVAL_LINE = re.compile(r"\[([^\]]+)\]\[(\d+)\]Accuracy-Flip: ([\d.]+)")
+                       r"([\d.e-]+)\s+Epoch: (\d+)\s+Global Step: (\d+).*?(?:Images: (\d+))?$")
+EVAL_LINE = re.compile(r"\[([^\]]+)\]\[(\d+)\]Accuracy-Flip: ([\d.]+)\+-([\d.]+)(.*)")
+TAR = re.compile(r"TAR@FAR=([\d.e+-]+): ([\d.]+)")
+
+
+class Evaluation(NamedTuple):
+    step: int
+    accuracy: float
+    std: float
+    """Over the ten folds."""
+    tar_at_far: dict
+    """{FAR: TAR} where the set has enough impostor pairs."""
 
 
 def read_log(path: Path) -> dict:
     """{"step": [...], "loss": [...], "learning_rate": [...], "speed": [...],
-    "verification": {name: [(step, accuracy)]}} from a training.log."""
-    series: dict = {"step": [], "loss": [], "learning_rate": [], "speed": [],
+    "images": [...], "verification": {name: [Evaluation]}} from a training.log."""
+    series: dict = {"step": [], "loss": [], "learning_rate": [], "speed": [], "images": [],
                     "verification": defaultdict(list)}
     for line in path.read_text().splitlines():
         if match := STEP_LINE.search(line):
-            speed, loss, lr, _, step = match.groups()
+            speed, loss, lr, _, step, images = match.groups()
             for key, value in (("step", int(step)), ("loss", float(loss)),
-                               ("learning_rate", float(lr)), ("speed", float(speed))):
+                               ("learning_rate", float(lr)), ("speed", float(speed)),
+                               ("images", int(images or 0))):
                 series[key].append(value)
         elif match := EVAL_LINE.search(line):
-            name, step, accuracy = match.groups()
-            series["verification"][name].append((int(step), float(accuracy)))
+            name, step, accuracy, std, rest = match.groups()
+            tars = {float(far): float(tar) for far, tar in TAR.findall(rest)}
+            series["verification"][name].append(
+                Evaluation(int(step), float(accuracy), float(std), tars))
     return series
 
 
@@ -68,8 +82,8 @@ def plot_work_dirs(work_dirs: list[str], out: str | None = None) -> list[Path]:
         figure, axes = plt.subplots(figsize=(6, 4))
         for name, series in runs.items():
             for target, points in series["verification"].items():
-                steps, accuracy = zip(*points)
-                axes.plot(steps, accuracy, marker="o", label=f"{name} {target}".strip())
+                axes.plot([p.step for p in points], [p.accuracy for p in points], marker="o",
+                          label=f"{name} {target}".strip())
         save(figure, axes, "verification", "verification accuracy")
     return written
 

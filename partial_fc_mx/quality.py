@@ -1,16 +1,19 @@
 """How well a recipe generalizes to people it never saw: train it on several random
-identity splits of ORL (30 people to train on, 10 held out) and report the held-out
-verification accuracy as mean and spread over the splits, beside the untrained
-network and eigenfaces on the same pairs. One split can flatter a recipe; five
-seldom do.
+identity splits (ORL: 30 people to train on, 10 held out; or a synthetic set per
+seed) and report the held-out verification accuracy as mean and spread over the
+splits, beside the untrained network and eigenfaces on the same pairs. One split
+can flatter a recipe; five seldom do.
 
     python -m partial_fc_mx.quality --splits 0 1 2 3 4 \\
         --arm "default:" --arm "augmented:augment_crop_scale=0.8 augment_rotate=10"
+    python -m partial_fc_mx.quality --config configs/synthetic_sampling.py \\
+        --synthetic 5000 --splits 0 --arm "r1.0:sample_rate=1.0" --arm "r0.1:sample_rate=0.1"
 
 An arm is a name and config overrides on --config (default configs/orl.py), trained
 like `bash run.sh` trains (mpirun, --np processes, config.sh). Each run is kept in
---work/<arm>/split<seed> with a result.json; a run already there is not repeated, so
-arms can be added later and the table printed again with all of them.
+--work/<arm>/split<seed>; a finished run (its result.json) is not repeated, so arms
+can be added later and the tables printed again with all of them. The figures are
+read from each run's training.log.
 """
 
 from __future__ import annotations
@@ -24,38 +27,66 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
-from .data.orl import prepare_orl
-from .plot import read_log
+from .plot import plot_work_dirs, read_log
 
 REPO = Path(__file__).resolve().parents[1]
 BASELINE = re.compile(r"eigenfaces \(PCA\) baseline ([\d.]+)")
 
 
+@dataclass(frozen=True)
+class SyntheticSet:
+    """Synthetic identities (data/synthetic.py) instead of ORL: one set per split seed."""
+
+    classes: int
+    per_class: int
+    heldout: int
+    pairs: int
+
+
 @dataclass
 class RunResult:
     overrides: list
+    minutes: float
+    """Wall time of the whole launch, start-up included."""
     untrained: float
     """Held-out accuracy at step 0."""
     trained: float
     """At the end of training (not the best along the way: that would pick on the test)."""
+    fold_std: float
+    """Of `trained`, over the ten folds of the verification protocol."""
+    tar_at_far: dict
     eigenfaces: float
-    minutes: float
+    final_loss: float
+    ms_per_step: float
+    """Median over the log lines: evaluations and saves are not steps."""
 
 
-def split_data(work: Path, seed: int) -> Path:
-    """ORL packed with identity split `seed`, and all genuine pairs of the held-out
-    people (about 450) with as many impostor pairs."""
-    directory = work / "data" / f"split{seed}"
-    if not (directory / "orl_heldout.bin").is_file():
-        prepare_orl(str(directory), heldout=10, seed=seed)
+def split_data(work: Path, seed: int, synthetic: SyntheticSet | None = None) -> Path:
+    """The training records and held-out pairs of split `seed`. ORL: all genuine pairs
+    of the 10 held-out people (about 450) with as many impostor pairs."""
+    if synthetic is None:
+        directory = work / "data" / f"split{seed}"
+        if not (directory / "orl_heldout.bin").is_file():
+            from .data.orl import prepare_orl
+
+            prepare_orl(str(directory), heldout=10, seed=seed)
+        return directory
+    s = synthetic
+    directory = (work / "data" /
+                 f"synthetic{s.classes}x{s.per_class}-heldout{s.heldout}x{s.pairs}-seed{seed}")
+    if not (directory / "synthetic_heldout.bin").is_file():
+        from .data.synthetic import prepare_synthetic
+
+        prepare_synthetic(str(directory), s.classes, s.per_class, s.heldout, s.pairs, seed)
     return directory
 
 
 def train_once(config: str, data: Path, overrides: list[str], work_dir: Path,
-               processes: int) -> RunResult:
+               processes: int) -> float:
+    """Train one run as run.sh does; returns its wall time in minutes."""
     launch = ["mpirun", "-np", str(processes), "-H", f"localhost:{processes}",
               "--oversubscribe", "-bind-to", "none", "-map-by", "slot", "-x", "PATH",
               "-x", "CONFIG"]
@@ -63,37 +94,49 @@ def train_once(config: str, data: Path, overrides: list[str], work_dir: Path,
         launch.append("--allow-run-as-root")
     started = time.perf_counter()
     work_dir.mkdir(parents=True)
+    classes = int((data / "property").read_text().split(",")[0])
     with open(work_dir / "output.txt", "w") as output:
         done = subprocess.run([*launch, "bash", str(REPO / "config.sh"), f"rec={data}",
-                               *overrides, "--work-dir", str(work_dir)], cwd=REPO,
+                               f"num_classes={classes}", *overrides,
+                               "--work-dir", str(work_dir)], cwd=REPO,
                               env={**os.environ, "CONFIG": config}, stdout=output,
                               stderr=subprocess.STDOUT)
     if done.returncode != 0:
         raise SystemExit(f"training failed (exit {done.returncode}); its output: "
                          f"{work_dir / 'output.txt'}")
-    minutes = (time.perf_counter() - started) / 60
+    return (time.perf_counter() - started) / 60
+
+
+def read_result(work_dir: Path) -> RunResult:
+    saved = json.loads((work_dir / "result.json").read_text())
     log = work_dir / "training.log"
-    [accuracies] = read_log(log)["verification"].values()  # (step, accuracy) of orl_heldout
-    return RunResult(overrides, accuracies[0][1], accuracies[-1][1],
-                     float(BASELINE.findall(log.read_text())[-1]), minutes)
+    series = read_log(log)
+    [evaluations] = series["verification"].values()  # the one held-out set
+    global_batch = series["images"][-1] // series["step"][-1]
+    ms_per_step = statistics.median(1000 * global_batch / speed for speed in series["speed"])
+    baseline = BASELINE.findall(log.read_text())
+    return RunResult(saved["overrides"], saved["minutes"], evaluations[0].accuracy,
+                     evaluations[-1].accuracy, evaluations[-1].std,
+                     evaluations[-1].tar_at_far, float(baseline[-1]) if baseline else 0.0,
+                     series["loss"][-1], ms_per_step)
 
 
 def run_arm(config: str, work: Path, name: str, overrides: list[str], seeds: list[int],
-            processes: int) -> list[RunResult]:
+            processes: int, synthetic: SyntheticSet | None = None) -> list[RunResult]:
     results = []
     for seed in seeds:
         work_dir = work / name / f"split{seed}"
         saved = work_dir / "result.json"
-        if saved.is_file() and json.loads(saved.read_text())["overrides"] == overrides:
-            results.append(RunResult(**json.loads(saved.read_text())))
-            continue
-        if work_dir.exists():  # an unfinished or different run: start again
-            shutil.rmtree(work_dir)
-        result = train_once(config, split_data(work, seed), overrides, work_dir, processes)
-        saved.write_text(json.dumps(asdict(result)))
-        print(f"{name} split {seed}: {result.trained:.4f} (untrained {result.untrained:.4f}, "
-              f"eigenfaces {result.eigenfaces:.4f}, {result.minutes:.1f} min)", flush=True)
-        results.append(result)
+        if not (saved.is_file() and json.loads(saved.read_text())["overrides"] == overrides):
+            if work_dir.exists():  # an unfinished or different run: start again
+                shutil.rmtree(work_dir)
+            data = split_data(work, seed, synthetic)
+            minutes = train_once(config, data, overrides, work_dir, processes)
+            saved.write_text(json.dumps({"overrides": overrides, "minutes": minutes}))
+        results.append(read_result(work_dir))
+        print(f"{name} split {seed}: {results[-1].trained:.4f} (untrained "
+              f"{results[-1].untrained:.4f}, eigenfaces {results[-1].eigenfaces:.4f}, "
+              f"{results[-1].minutes:.1f} min)", flush=True)
     return results
 
 
@@ -102,16 +145,39 @@ def mean_std(values: list[float]) -> str:
     return f"{statistics.mean(values):.4f} ± {spread:.4f}"
 
 
+def overrides_text(result: RunResult) -> str:
+    return f"`{' '.join(result.overrides) or '(none)'}`"
+
+
 def table(arms: dict[str, list[RunResult]]) -> str:
+    """One row per arm: mean and spread over the splits."""
     rows = ["| arm | overrides | held-out accuracy | per split | untrained | eigenfaces "
             "| minutes per run |", "|---|---|---|---|---|---|---|"]
     for name, results in arms.items():
         per_split = " ".join(f"{r.trained:.3f}" for r in results)
-        rows.append(f"| {name} | `{' '.join(results[0].overrides) or '(none)'}` "
+        rows.append(f"| {name} | {overrides_text(results[0])} "
                     f"| **{mean_std([r.trained for r in results])}** | {per_split} "
                     f"| {mean_std([r.untrained for r in results])} "
                     f"| {mean_std([r.eigenfaces for r in results])} "
                     f"| {statistics.mean(r.minutes for r in results):.1f} |")
+    return "\n".join(rows)
+
+
+def runs_table(arms: dict[str, list[RunResult]], seeds: list[int]) -> str:
+    """One row per run: the spread over folds, TAR at the FARs the pairs resolve, the
+    last logged loss and the speed."""
+    fars = sorted({far for results in arms.values() for r in results for far in r.tar_at_far},
+                  reverse=True)
+    rows = ["| arm | overrides | split | held-out accuracy ± std over folds | "
+            + "".join(f"TAR@FAR={far:g} | " for far in fars)
+            + "final loss | ms/step | minutes |", "|---" * (7 + len(fars)) + "|"]
+    for name, results in arms.items():
+        for seed, r in zip(seeds, results):
+            tars = "".join(f"{r.tar_at_far[far]:.4f} | " if far in r.tar_at_far else "- | "
+                           for far in fars)
+            rows.append(f"| {name} | {overrides_text(r)} | {seed} | {r.trained:.4f} ± "
+                        f"{r.fold_std:.4f} | {tars}{r.final_loss:.3f} | {r.ms_per_step:.0f} "
+                        f"| {r.minutes:.1f} |")
     return "\n".join(rows)
 
 
@@ -124,13 +190,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="configs/orl.py")
     parser.add_argument("--work", type=Path, default=Path("work_dirs/quality"))
     parser.add_argument("--np", type=int, default=2, help="processes per run")
+    parser.add_argument("--synthetic", type=int, metavar="CLASSES",
+                        help="train on this many synthetic identities instead of ORL")
+    parser.add_argument("--per-class", type=int, default=8, help="synthetic: images per class")
+    parser.add_argument("--heldout", type=int, default=300,
+                        help="synthetic: held-out identities for the verification pairs")
+    parser.add_argument("--pairs", type=int, default=3000,
+                        help="synthetic: genuine pairs (as many impostor pairs)")
+    parser.add_argument("--plot", type=Path, metavar="DIR",
+                        help="also draw every split's arms on shared figures in DIR/split<seed>")
     args = parser.parse_args(argv)
+    synthetic = (SyntheticSet(args.synthetic, args.per_class, args.heldout, args.pairs)
+                 if args.synthetic else None)
     arms = {}
     for arm in args.arm:
         name, _, overrides = arm.partition(":")
         arms[name] = run_arm(str(Path(args.config).resolve()), args.work.resolve(), name,
-                             overrides.split(), args.splits, args.np)
+                             overrides.split(), args.splits, args.np, synthetic)
     print(table(arms))
+    print()
+    print(runs_table(arms, args.splits))
+    if args.plot:
+        for seed in args.splits:
+            runs = [str(args.work / name / f"split{seed}") for name in arms]
+            plot_work_dirs(runs, str(args.plot / f"split{seed}"))
     return 0
 
 

@@ -338,9 +338,14 @@ def evaluate(run: Run) -> None:
         for dataset in run.validation:
             result = verify(mxnet_forward(run.net, run.ctx), dataset)
             run.accuracy[dataset.name] = result.accuracy
+            tars = "".join(f"   TAR@FAR={far:g}: {tar:.5f}"
+                           for far, tar in result.tar_at_far.items())
             log.info(f"[{dataset.name}][{state.step}]Accuracy-Flip: {result.accuracy:.5f}"
-                     f"+-{result.std:.5f}")
-            log.scalars(state.step, {f"verification/{dataset.name}": result.accuracy})
+                     f"+-{result.std:.5f}{tars}")
+            scalars = {f"verification/{dataset.name}": result.accuracy}
+            scalars.update({f"verification/{dataset.name}_tar@far={far:g}": tar
+                            for far, tar in result.tar_at_far.items()})
+            log.scalars(state.step, scalars)
         mean = sum(run.accuracy.values()) / len(run.accuracy)
         if state.step > 0 and mean > state.best_accuracy:
             state.best_accuracy, state.best_step = mean, state.step

@@ -1,11 +1,31 @@
 """The split study's bookkeeping: finished runs are reused, changed arms are trained
-again, and the table reports the mean and spread over splits (the training itself is
-what `bash run.sh` does, tested elsewhere)."""
+again, and the tables report the mean and spread over splits and each run's figures
+as its training.log has them (the training itself is what `bash run.sh` does, tested
+elsewhere)."""
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from partial_fc_mx import quality
-from partial_fc_mx.quality import RunResult, run_arm, table
+from partial_fc_mx.quality import read_result, run_arm, runs_table, table
+from partial_fc_mx.training_log import TrainingLog
+
+
+def write_log(work_dir, accuracy: float, seconds_per_step: float) -> None:
+    """A training.log as the trainer writes it: 4 steps of a global batch of 8, logged
+    every 2, the held-out set at step 0 and at the end, the eigenfaces line."""
+    log = TrainingLog(work_dir, enabled=True, total_steps=4, global_batch=8, frequent=2)
+    log.info("[heldout][0]Accuracy-Flip: 0.85000+-0.03000")
+    for step in range(1, 5):
+        log._tic -= seconds_per_step  # as if each step had taken this long
+        log.step(step, epoch=0, loss=2.0 / step, lr=0.1, loss_scale=1.0, images=8 * step)
+    log.info(f"[heldout][4]Accuracy-Flip: {accuracy:.5f}+-0.02000   TAR@FAR=0.001: 0.70000")
+    log.info(f"[heldout] model accuracy {accuracy:.4f} vs eigenfaces (PCA) baseline 0.8400 "
+             "on the same pairs")
+    log.close()
 
 
 def test_runs_are_reused_retrained_when_changed_and_tabled(tmp_path, monkeypatch):
@@ -14,11 +34,11 @@ def test_runs_are_reused_retrained_when_changed_and_tabled(tmp_path, monkeypatch
     def fake_train(config, data, overrides, work_dir, processes):
         trained.append((work_dir.name, tuple(overrides)))
         work_dir.mkdir(parents=True)
-        accuracy = 0.90 + 0.01 * int(work_dir.name.removeprefix("split"))
-        return RunResult(overrides, 0.85, accuracy, 0.84, 3.0)
+        write_log(work_dir, 0.90 + 0.01 * int(work_dir.name.removeprefix("split")), 10.0)
+        return 3.0
 
     monkeypatch.setattr(quality, "train_once", fake_train)
-    monkeypatch.setattr(quality, "split_data", lambda work, seed: work / f"data{seed}")
+    monkeypatch.setattr(quality, "split_data", lambda work, seed, synthetic: work / "data")
     first = run_arm("cfg.py", tmp_path, "aug", ["augment_rotate=10"], [0, 1, 2], 2)
     assert [r.trained for r in first] == [0.90, 0.91, 0.92] and len(trained) == 3
     again = run_arm("cfg.py", tmp_path, "aug", ["augment_rotate=10"], [0, 1, 2, 3], 2)
@@ -29,3 +49,20 @@ def test_runs_are_reused_retrained_when_changed_and_tabled(tmp_path, monkeypatch
     rows = table({"aug": again}).splitlines()
     assert rows[2] == ("| aug | `augment_rotate=10` | **0.9150 ± 0.0129** | 0.900 0.910 0.920 "
                        "0.930 | 0.8500 ± 0.0000 | 0.8400 ± 0.0000 | 3.0 |")
+    detail = runs_table({"aug": again}, [0, 1, 2, 3]).splitlines()
+    assert detail[0].count("|") == detail[1].count("|") == 9 and "TAR@FAR=0.001" in detail[0]
+    assert detail[3] == ("| aug | `augment_rotate=10` | 1 | 0.9100 ± 0.0200 | 0.7000 | 0.583 "
+                         "| 10000 | 3.0 |")
+
+
+def test_each_run_is_read_from_its_training_log(tmp_path):
+    work_dir = tmp_path / "arm" / "split0"
+    work_dir.mkdir(parents=True)
+    write_log(work_dir, 0.93, 0.5)
+    (work_dir / "result.json").write_text(json.dumps({"overrides": ["lr=0.2"], "minutes": 2.5}))
+    result = read_result(work_dir)
+    assert (result.overrides, result.minutes) == (["lr=0.2"], 2.5)
+    assert (result.untrained, result.trained, result.fold_std) == (0.85, 0.93, 0.02)
+    assert result.tar_at_far == {1e-3: 0.7} and result.eigenfaces == 0.84
+    assert result.final_loss == pytest.approx((2 / 3 + 2 / 4) / 2, abs=1e-4)  # the last log line's
+    assert result.ms_per_step == pytest.approx(500, rel=0.05)
