@@ -16,16 +16,12 @@ python=python3
 # let MXNet accumulate gradients in place.
 export MXNET_UPDATE_ON_KVSTORE=0
 export MXNET_EXEC_ENABLE_ADDTO=1
-# Horovod batches small tensors into a fusion buffer this big; its background thread
-# wakes every HOROVOD_CYCLE_TIME ms to see which are ready. The MXNet reference's
-# 0.1 ms suits GPU hosts, whose cores are idle; on a CPU-only run that thread takes
-# the cores the training computes on (the default job: 0.61 s/step at 0.1 ms, 0.38 s
-# at 5 ms; docs/benchmarks.md), so CPU runs wake it every 5 ms.
-cycle_time=5
+# Horovod batches small tensors into a fusion buffer this big. How often its
+# background thread wakes (HOROVOD_CYCLE_TIME) is set by dist.init when not exported:
+# 0.1 ms with a GPU, 5 ms on the CPU.
 export HOROVOD_FUSION_THRESHOLD=${HOROVOD_FUSION_THRESHOLD:-67108864}
 
 if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
-  cycle_time=0.1
   # Which GPU collectives run on NCCL is fixed when Horovod is built
   # (HOROVOD_GPU_OPERATIONS=NCCL in setup-utils/install.sh); at run time only NCCL's
   # own knobs apply.
@@ -33,7 +29,6 @@ if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
   export MXNET_GPU_WORKER_NTHREADS=${MXNET_GPU_WORKER_NTHREADS:-2}
   export MXNET_CPU_WORKER_NTHREADS=${MXNET_CPU_WORKER_NTHREADS:-3}
 fi
-export HOROVOD_CYCLE_TIME=${HOROVOD_CYCLE_TIME:-$cycle_time}
 
 cd "$root"
 exec "$python" -m partial_fc_mx "${PFC_COMMAND:-train}" "$CONFIG" "$@"

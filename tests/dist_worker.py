@@ -3,10 +3,13 @@
 Every rank fills the same parameters with its own values (rank 0's include -0.0,
 NaN, infinities and float16); after dist.broadcast_parameters every rank must hold
 rank 0's bytes exactly (NaN stays NaN; its payload may change).
-Each rank prints BROADCAST OK <rank> <world size>.
+Each rank prints BROADCAST OK <rank> <world size>, and the Horovod cycle time it
+started with (CYCLE TIME <ms>).
 """
 
 from __future__ import annotations
+
+import os
 
 import mxnet as mx
 import numpy as np
@@ -30,6 +33,7 @@ def same_floats(a: np.ndarray, b: np.ndarray) -> bool:
 
 def main() -> None:
     world = dist.init()
+    print(f"CYCLE TIME {os.environ['HOROVOD_CYCLE_TIME']} rank {world.rank}", flush=True)
     shapes = {"conv0_weight": ((4, 3, 3, 3), "float32"), "fc1_bias": ((7,), "float32"),
               "bn_gamma": ((5,), "float16")}
     params = {}

@@ -19,6 +19,24 @@ def test_parameters_arrive_from_rank_zero_bit_for_bit(launcher, world_size):
     assert result.returncode == 0, result.stdout[-3000:]
     for rank in range(world_size):
         assert f"BROADCAST OK {rank} {world_size}" in result.stdout, result.stdout[-3000:]
+        # no GPU here and none exported: Horovod's thread must not take the CPU's cores
+        assert f"CYCLE TIME 5 rank {rank}" in result.stdout, result.stdout[-3000:]
+
+
+@pytest.mark.parametrize("exported, gpus, expected", [
+    (None, 0, "5"), (None, 2, "0.1"), ("", 0, "5"), ("2", 0, "2"), ("2", 1, "2")])
+def test_cycle_time_follows_the_device_unless_exported(monkeypatch, exported, gpus, expected):
+    from partial_fc_mx import dist
+
+    environ = {} if exported is None else {"HOROVOD_CYCLE_TIME": exported}
+    monkeypatch.setattr(dist.os, "environ", environ)  # the test's own, not this process's
+    seen = []
+    monkeypatch.setattr(dist.mx.context, "num_gpus", lambda: gpus)
+    monkeypatch.setattr(dist.hvd, "init", lambda: seen.append(environ["HOROVOD_CYCLE_TIME"]))
+    for name in ("rank", "size", "local_rank", "local_size"):
+        monkeypatch.setattr(dist.hvd, name, lambda: 0)
+    dist.init()
+    assert seen == [expected]
 
 
 @pytest.fixture(scope="module")
