@@ -3,7 +3,7 @@
 # `python -m partial_fc_mx.quality --synthetic CLASSES`, which also sets rec and
 # num_classes), 2 CPU processes; the arms differ in sample_rate only.
 rec = "data/synthetic"
-num_classes = 10000
+num_classes = 3000
 val_targets = ["synthetic_heldout"]
 network = "tiny"
 embedding_size = 512
@@ -13,7 +13,7 @@ sample_rate = 1.0
 batch_size = 64
 lr = 0.1
 weight_decay = 5e-4
-num_epoch = 6
+num_epoch = 4
 frequent = 20
 verbose = 1000
 save_every = 1000

@@ -60,7 +60,7 @@ def plot_work_dirs(work_dirs: list[str], out: str | None = None) -> list[Path]:
     runs = {label(path, len(work_dirs)): read_work_dir(Path(path)) for path in work_dirs}
     out_dir = Path(out or (Path(work_dirs[0]) / "plots" if len(work_dirs) == 1 else "plots"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    title = ", ".join(runs)
+    title = work_dirs[0] if len(work_dirs) == 1 else ", ".join(runs)
     written = []
 
     def save(figure, axes, name: str, ylabel: str) -> None:

@@ -9,16 +9,19 @@ can flatter a recipe; five seldom do.
     python -m partial_fc_mx.quality --config configs/synthetic_sampling.py \\
         --synthetic 5000 --splits 0 --arm "r1.0:sample_rate=1.0" --arm "r0.1:sample_rate=0.1"
 
-An arm is a name and config overrides on --config (default configs/orl.py), trained
-like `bash run.sh` trains (mpirun, --np processes, config.sh). Each run is kept in
---work/<arm>/split<seed>; a finished run (its result.json) is not repeated, so arms
-can be added later and the tables printed again with all of them. The figures are
-read from each run's training.log.
+An arm is a name and config overrides on --config (default configs/orl.py, or
+configs/synthetic_sampling.py with --synthetic), trained like `bash run.sh` trains
+(mpirun, --np processes, config.sh). Each run is kept in --work/<arm>/split<seed>; a
+finished run is not repeated while its result.json records the same config text,
+data, overrides and processes, so arms can be added later and the tables printed
+again with all of them; anything else about it trains it again. The figures are read
+from each run's training.log.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -58,7 +61,8 @@ class RunResult:
     fold_std: float
     """Of `trained`, over the ten folds of the verification protocol."""
     tar_at_far: dict
-    eigenfaces: float
+    eigenfaces: float | None
+    """None where the run did not report the baseline."""
     final_loss: float
     ms_per_step: float
     """Median over the log lines: evaluations and saves are not steps."""
@@ -107,17 +111,30 @@ def train_once(config: str, data: Path, overrides: list[str], work_dir: Path,
     return (time.perf_counter() - started) / 60
 
 
+def run_key(config: str, data: Path, overrides: list[str], processes: int) -> dict:
+    """Everything that decides what a run trains: a saved run is reused only when all
+    of it is the same (a config file edited since, or other data, trains again)."""
+    text_hash = hashlib.sha256(Path(config).read_bytes()).hexdigest()
+    return {"config": config, "config_sha256": text_hash, "data": str(data),
+            "overrides": overrides, "processes": processes}
+
+
 def read_result(work_dir: Path) -> RunResult:
     saved = json.loads((work_dir / "result.json").read_text())
     log = work_dir / "training.log"
     series = read_log(log)
-    [evaluations] = series["verification"].values()  # the one held-out set
+    if len(series["verification"]) != 1 or not series["step"]:
+        raise SystemExit(f"{log}: the study reads training steps and one held-out set's "
+                         f"evaluations; this run evaluated {sorted(series['verification'])}. "
+                         "Keep val_targets to the held-out set, and delete this run.")
+    [evaluations] = series["verification"].values()
     global_batch = series["images"][-1] // series["step"][-1]
-    ms_per_step = statistics.median(1000 * global_batch / speed for speed in series["speed"])
+    step_ms = [1000 * global_batch / speed for speed in series["speed"] if speed > 0]
+    ms_per_step = statistics.median(step_ms) if step_ms else float("nan")
     baseline = BASELINE.findall(log.read_text())
     return RunResult(saved["overrides"], saved["minutes"], evaluations[0].accuracy,
                      evaluations[-1].accuracy, evaluations[-1].std,
-                     evaluations[-1].tar_at_far, float(baseline[-1]) if baseline else 0.0,
+                     evaluations[-1].tar_at_far, float(baseline[-1]) if baseline else None,
                      series["loss"][-1], ms_per_step)
 
 
@@ -127,12 +144,13 @@ def run_arm(config: str, work: Path, name: str, overrides: list[str], seeds: lis
     for seed in seeds:
         work_dir = work / name / f"split{seed}"
         saved = work_dir / "result.json"
-        if not (saved.is_file() and json.loads(saved.read_text())["overrides"] == overrides):
+        data = split_data(work, seed, synthetic)
+        key = run_key(config, data, overrides, processes)
+        if not (saved.is_file() and same_run(json.loads(saved.read_text()), key)):
             if work_dir.exists():  # an unfinished or different run: start again
                 shutil.rmtree(work_dir)
-            data = split_data(work, seed, synthetic)
             minutes = train_once(config, data, overrides, work_dir, processes)
-            saved.write_text(json.dumps({"overrides": overrides, "minutes": minutes}))
+            saved.write_text(json.dumps({**key, "minutes": minutes}))
         results.append(read_result(work_dir))
         print(f"{name} split {seed}: {results[-1].trained:.4f} (untrained "
               f"{results[-1].untrained:.4f}, eigenfaces {results[-1].eigenfaces:.4f}, "
@@ -140,7 +158,13 @@ def run_arm(config: str, work: Path, name: str, overrides: list[str], seeds: lis
     return results
 
 
-def mean_std(values: list[float]) -> str:
+def same_run(saved: dict, key: dict) -> bool:
+    return {name: saved.get(name) for name in key} == key
+
+
+def mean_std(values: list[float | None]) -> str:
+    if None in values:
+        return "-"
     spread = statistics.stdev(values) if len(values) > 1 else 0.0
     return f"{statistics.mean(values):.4f} ± {spread:.4f}"
 
@@ -187,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arm", action="append", required=True, metavar="NAME:OVERRIDES",
                         help="a name, a colon, and key=value overrides separated by spaces")
     parser.add_argument("--splits", type=int, nargs="+", default=[0, 1, 2, 3, 4])
-    parser.add_argument("--config", default="configs/orl.py")
+    parser.add_argument("--config", help="default: configs/orl.py, or "
+                        "configs/synthetic_sampling.py with --synthetic")
     parser.add_argument("--work", type=Path, default=Path("work_dirs/quality"))
     parser.add_argument("--np", type=int, default=2, help="processes per run")
     parser.add_argument("--synthetic", type=int, metavar="CLASSES",
@@ -202,10 +227,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     synthetic = (SyntheticSet(args.synthetic, args.per_class, args.heldout, args.pairs)
                  if args.synthetic else None)
+    config = args.config or ("configs/synthetic_sampling.py" if synthetic else "configs/orl.py")
     arms = {}
     for arm in args.arm:
         name, _, overrides = arm.partition(":")
-        arms[name] = run_arm(str(Path(args.config).resolve()), args.work.resolve(), name,
+        arms[name] = run_arm(str(Path(config).resolve()), args.work.resolve(), name,
                              overrides.split(), args.splits, args.np, synthetic)
     print(table(arms))
     print()

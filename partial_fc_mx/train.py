@@ -338,14 +338,7 @@ def evaluate(run: Run) -> None:
         for dataset in run.validation:
             result = verify(mxnet_forward(run.net, run.ctx), dataset)
             run.accuracy[dataset.name] = result.accuracy
-            tars = "".join(f"   TAR@FAR={far:g}: {tar:.5f}"
-                           for far, tar in result.tar_at_far.items())
-            log.info(f"[{dataset.name}][{state.step}]Accuracy-Flip: {result.accuracy:.5f}"
-                     f"+-{result.std:.5f}{tars}")
-            scalars = {f"verification/{dataset.name}": result.accuracy}
-            scalars.update({f"verification/{dataset.name}_tar@far={far:g}": tar
-                            for far, tar in result.tar_at_far.items()})
-            log.scalars(state.step, scalars)
+            log.evaluation(dataset.name, state.step, result)
         mean = sum(run.accuracy.values()) / len(run.accuracy)
         if state.step > 0 and mean > state.best_accuracy:
             state.best_accuracy, state.best_step = mean, state.step

@@ -12,6 +12,7 @@ from tensorboardX import SummaryWriter
 from tqdm import tqdm
 
 from .data.loader import WaitTimer
+from .evaluation.verification import VerificationResult
 
 
 class TrainingLog:
@@ -65,6 +66,16 @@ class TrainingLog:
                             "loss_scale": loss_scale, "data_wait_percent": data_wait})
         self._losses, self._tic, self._tic_step = [], time.time(), step
         self.data_wait.seconds = 0.0
+
+    def evaluation(self, name: str, step: int, result: VerificationResult) -> None:
+        """The reference's accuracy line, with TAR at the FARs the pairs resolve."""
+        tars = "".join(f"   TAR@FAR={far:g}: {tar:.5f}" for far, tar in result.tar_at_far.items())
+        self.info(f"[{name}][{step}]Accuracy-Flip: {result.accuracy:.5f}+-{result.std:.5f}{tars}")
+        scalars = {f"verification/{name}": result.accuracy}
+        # tensorboardX keeps [-/\w.] in a tag: "tar_at_far_0.001", not "tar@far=0.001"
+        scalars.update({f"verification/{name}/tar_at_far_{far:g}": tar
+                        for far, tar in result.tar_at_far.items()})
+        self.scalars(step, scalars)
 
     def scalars(self, step: int, values: dict) -> None:
         if self.writer is not None:

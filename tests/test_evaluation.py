@@ -108,6 +108,11 @@ def test_each_distinct_face_is_embedded_once_with_the_same_result(tmp_path):
     result = verify(forward, dataset)
     assert sum(seen) == 2 * len(dataset.distinct)  # each face and its mirror image, once
     every_image = embed(forward, dataset.images)
+    per_image = embed(forward, dataset.images[dataset.distinct])[dataset.where]
+    np.testing.assert_allclose(per_image, every_image, rtol=1e-5, atol=1e-5)  # same order
+    flat = dataset.images.reshape(40, -1)
+    identical = (flat[:, None, :] == flat[None, :, :]).all(axis=2)
+    np.testing.assert_array_equal(identical, picks[:, None] == picks[None, :])
     expected = ten_fold_accuracy(pair_similarities(every_image), np.asarray(issame))
     assert result.accuracy == expected.accuracy and result.threshold == pytest.approx(
         expected.threshold, abs=1e-5)

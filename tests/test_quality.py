@@ -10,21 +10,26 @@ import json
 import pytest
 
 from partial_fc_mx import quality
+from partial_fc_mx.evaluation.verification import VerificationResult
 from partial_fc_mx.quality import read_result, run_arm, runs_table, table
 from partial_fc_mx.training_log import TrainingLog
 
 
-def write_log(work_dir, accuracy: float, seconds_per_step: float) -> None:
+def write_log(work_dir, accuracy: float, seconds_per_step: float, baseline: bool = True,
+              sets: tuple = ("heldout",)) -> None:
     """A training.log as the trainer writes it: 4 steps of a global batch of 8, logged
     every 2, the held-out set at step 0 and at the end, the eigenfaces line."""
     log = TrainingLog(work_dir, enabled=True, total_steps=4, global_batch=8, frequent=2)
-    log.info("[heldout][0]Accuracy-Flip: 0.85000+-0.03000")
+    for name in sets:
+        log.evaluation(name, 0, VerificationResult(0.85, 0.03, 0.5))
     for step in range(1, 5):
         log._tic -= seconds_per_step  # as if each step had taken this long
         log.step(step, epoch=0, loss=2.0 / step, lr=0.1, loss_scale=1.0, images=8 * step)
-    log.info(f"[heldout][4]Accuracy-Flip: {accuracy:.5f}+-0.02000   TAR@FAR=0.001: 0.70000")
-    log.info(f"[heldout] model accuracy {accuracy:.4f} vs eigenfaces (PCA) baseline 0.8400 "
-             "on the same pairs")
+    for name in sets:
+        log.evaluation(name, 4, VerificationResult(accuracy, 0.02, 0.5, {1e-3: 0.7}))
+    if baseline:
+        log.info(f"[heldout] model accuracy {accuracy:.4f} vs eigenfaces (PCA) baseline "
+                 "0.8400 on the same pairs")
     log.close()
 
 
@@ -39,13 +44,20 @@ def test_runs_are_reused_retrained_when_changed_and_tabled(tmp_path, monkeypatch
 
     monkeypatch.setattr(quality, "train_once", fake_train)
     monkeypatch.setattr(quality, "split_data", lambda work, seed, synthetic: work / "data")
-    first = run_arm("cfg.py", tmp_path, "aug", ["augment_rotate=10"], [0, 1, 2], 2)
+    config = tmp_path / "cfg.py"
+    config.write_text("lr = 0.1\n")
+    first = run_arm(str(config), tmp_path, "aug", ["augment_rotate=10"], [0, 1, 2], 2)
     assert [r.trained for r in first] == [0.90, 0.91, 0.92] and len(trained) == 3
-    again = run_arm("cfg.py", tmp_path, "aug", ["augment_rotate=10"], [0, 1, 2, 3], 2)
+    again = run_arm(str(config), tmp_path, "aug", ["augment_rotate=10"], [0, 1, 2, 3], 2)
     assert len(trained) == 4 and trained[-1][0] == "split3"  # only the new split ran
     assert [r.trained for r in again] == [0.90, 0.91, 0.92, 0.93]
-    run_arm("cfg.py", tmp_path, "aug", ["augment_rotate=20"], [0], 2)  # the arm changed
+    run_arm(str(config), tmp_path, "aug", ["augment_rotate=20"], [0], 2)  # the arm changed
     assert trained[-1] == ("split0", ("augment_rotate=20",))
+    run_arm(str(config), tmp_path, "aug", ["augment_rotate=10"], [1], 3)  # other processes
+    assert trained[-1] == ("split1", ("augment_rotate=10",)) and len(trained) == 6
+    config.write_text("lr = 0.2\n")  # the config file was edited since
+    run_arm(str(config), tmp_path, "aug", ["augment_rotate=10"], [2, 3], 2)
+    assert trained[-2:] == [("split2", ("augment_rotate=10",)), ("split3", ("augment_rotate=10",))]
     rows = table({"aug": again}).splitlines()
     assert rows[2] == ("| aug | `augment_rotate=10` | **0.9150 ± 0.0129** | 0.900 0.910 0.920 "
                        "0.930 | 0.8500 ± 0.0000 | 0.8400 ± 0.0000 | 3.0 |")
@@ -66,3 +78,17 @@ def test_each_run_is_read_from_its_training_log(tmp_path):
     assert result.tar_at_far == {1e-3: 0.7} and result.eigenfaces == 0.84
     assert result.final_loss == pytest.approx((2 / 3 + 2 / 4) / 2, abs=1e-4)  # the last log line's
     assert result.ms_per_step == pytest.approx(500, rel=0.05)
+
+
+def test_a_run_without_baseline_shows_a_dash_and_several_sets_are_refused(tmp_path):
+    plain, several = tmp_path / "plain", tmp_path / "several"
+    for work_dir in (plain, several):
+        work_dir.mkdir()
+        (work_dir / "result.json").write_text(json.dumps({"overrides": [], "minutes": 1.0}))
+    write_log(plain, 0.93, 0.5, baseline=False)
+    result = read_result(plain)
+    assert result.eigenfaces is None
+    assert table({"plain": [result]}).splitlines()[2].split(" | ")[5] == "-"
+    write_log(several, 0.93, 0.5, sets=("heldout", "lfw"))
+    with pytest.raises(SystemExit, match=r"one held-out set.*\['heldout', 'lfw'\]"):
+        read_result(several)

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from partial_fc_mx.evaluation.verification import VerificationResult
 from partial_fc_mx.plot import read_log
 from partial_fc_mx.training_log import TrainingLog
 
@@ -40,7 +41,7 @@ def write_run(work_dir, losses: list[float], accuracies: dict[int, float]) -> No
     for step, loss in enumerate(losses, start=1):
         log.step(step, epoch=0, loss=loss, lr=0.1, loss_scale=1.0, images=8 * step)
         if step in accuracies:
-            log.info(f"[heldout][{step}]Accuracy-Flip: {accuracies[step]:.5f}+-0.01000")
+            log.evaluation("heldout", step, VerificationResult(accuracies[step], 0.01, 0.5))
     log.close()
 
 
@@ -57,6 +58,7 @@ def test_plot_compares_several_runs_on_the_same_figures(tmp_path, monkeypatch):
     def savefig(figure, path, **kwargs):
         curves[path.name] = {line.get_label(): list(line.get_ydata())
                              for line in figure.axes[0].get_lines()}
+        curves[path.name]["title"] = figure.axes[0].get_title()
         return real_savefig(figure, path, **kwargs)
 
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
@@ -66,8 +68,11 @@ def test_plot_compares_several_runs_on_the_same_figures(tmp_path, monkeypatch):
                                                "verification.png"]
     assert all(p.parent == tmp_path / "out" and p.stat().st_size > 5000 for p in written)
     assert curves["loss.png"] == {"plain/split0": [3.0, 2.0, 1.5, 1.0],
-                                  "augmented/split0": [3.0, 2.5, 2.0, 1.8]}
-    assert curves["verification.png"] == {"plain/split0 heldout": [0.80, 0.85],
-                                          "augmented/split0 heldout": [0.82, 0.90]}
+                                  "augmented/split0": [3.0, 2.5, 2.0, 1.8],
+                                  "title": "loss (plain/split0, augmented/split0)"}
+    assert curves["verification.png"] == {
+        "plain/split0 heldout": [0.80, 0.85], "augmented/split0 heldout": [0.82, 0.90],
+        "title": "verification accuracy (plain/split0, augmented/split0)"}
     alone = plot_work_dirs([str(tmp_path / "plain" / "split0")])
     assert {p.parent for p in alone} == {tmp_path / "plain" / "split0" / "plots"}
+    assert curves["loss.png"]["title"] == f"loss ({tmp_path / 'plain' / 'split0'})"
