@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     synthetic.add_argument("--heldout", type=int, default=100)
     synthetic.add_argument("--pairs", type=int, default=300)
     synthetic.add_argument("--seed", type=int, default=0)
+    synthetic.add_argument("--shared", type=fraction, default=0.0,
+                           help="fraction of every identity's prototype common to all "
+                           "(0: unrelated pictures; higher: harder to tell apart)")
     gpus = commands.add_parser("gpus", help="which GPUs the installed MXNet, or an MXNet GPU "
                                             "wheel, has kernels for")
     judged = gpus.add_mutually_exclusive_group()
@@ -94,6 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("directory")
     inspect.add_argument("--scan", action="store_true", help="decode every image")
     return parser
+
+
+def fraction(text: str) -> float:
+    """An argparse type: a number in [0, 1)."""
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not in [0, 1)")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -234,7 +245,7 @@ def data_command(args: argparse.Namespace) -> int:
         from .data.synthetic import prepare_synthetic
 
         made = prepare_synthetic(args.out, args.classes, args.per_class, args.heldout,
-                                 args.pairs, args.seed)
+                                 args.pairs, args.seed, args.shared)
         print(f"{args.out}: {made.train.images} images of {made.train.classes} identities; "
               f"synthetic_heldout.bin: {made.pairs} pairs of {made.heldout_classes} others")
     else:  # inspect

@@ -71,6 +71,11 @@ class Config:
     scale: float = 64.0
     fp16_centers: bool = False
     """Store this rank's class-center shard in float16 to fit twice the classes."""
+    center_lazy_update: bool = True
+    """True (the MXNet reference): a step moves only the sampled centers, and momentum
+    and weight decay reach a row only when it is sampled. False (arcface_torch's
+    PartialFC_V2, a dense optimizer over the whole shard): every row's momentum and
+    weight decay apply every step. float32 centers only; docs/sampling.md compares them."""
 
     # --- optimisation ---
     batch_size: int = 128
@@ -141,6 +146,9 @@ class Config:
             problems.append(f"network: {problem}")
         if self.optimizer not in ("sgd", "adamw"):
             problems.append(f"optimizer={self.optimizer!r} must be 'sgd' or 'adamw'")
+        if not self.center_lazy_update and self.fp16_centers:
+            problems.append("center_lazy_update=False needs float32 centers "
+                            "(fp16_centers=False): the dense update is float32 only")
         if not 0 <= self.dropout < 1:
             problems.append(f"dropout={self.dropout} must be in [0, 1)")
         problems += self.augmentation().problems()

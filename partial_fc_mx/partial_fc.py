@@ -83,9 +83,12 @@ class PartialFC:
         fp16_centers: bool = False,
         seed: int = 0,
         timer=None,
+        lazy_update: bool = True,
     ) -> None:
         if not 0 < sample_rate <= 1:
             raise ValueError(f"sample_rate={sample_rate} must be in (0, 1]")
+        if fp16_centers and not lazy_update:
+            raise ValueError("lazy_update=False needs float32 centers")
         if num_classes < world_size:
             raise ValueError(f"{num_classes} classes cannot be sharded over {world_size} ranks")
         self.num_classes, self.embedding_size = num_classes, embedding_size
@@ -95,6 +98,7 @@ class PartialFC:
         self.num_sample = num_sample(self.shard.count, sample_rate)
         self.margin = CombinedMargin(*margin, scale=scale)
         self.momentum_factor, self.weight_decay = momentum, weight_decay
+        self.lazy_update = lazy_update
         self.dtype = "float16" if fp16_centers else "float32"
         self.seed = seed
         self.rng = np.random.default_rng([seed, rank])
@@ -190,7 +194,9 @@ class PartialFC:
 
         float32 shards use MXNet's lazy row-sparse update, which touches exactly the
         sampled rows of the weights and momentum in place (no gather or scatter);
-        float16 shards are updated in float32 and stored back rounded.
+        float16 shards are updated in float32 and stored back rounded. With
+        lazy_update=False every row takes its momentum and weight decay every step
+        (a zero gradient where not sampled), as a dense optimizer over the shard does.
         """
         if self._pending is None:
             raise RuntimeError("PartialFC.step() needs a forward_backward() first")
@@ -206,8 +212,8 @@ class PartialFC:
             else:
                 rows = mx.nd.sparse.row_sparse_array((grad_w, index), shape=self.weight.shape,
                                                      ctx=self.ctx)
-                mx.nd.sgd_mom_update(self.weight, rows, self.momentum, lazy_update=True,
-                                     out=self.weight, **options)
+                mx.nd.sgd_mom_update(self.weight, rows, self.momentum,
+                                     lazy_update=self.lazy_update, out=self.weight, **options)
 
     def _update_rounded(self, index, w, grad_w, options: dict) -> None:
         rows = slice(None) if index is None else index

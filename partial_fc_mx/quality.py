@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .__main__ import fraction
 from .plot import plot_work_dirs, read_log
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,6 +48,8 @@ class SyntheticSet:
     per_class: int
     heldout: int
     pairs: int
+    shared: float = 0.0
+    """How much all identities look alike (data/synthetic.py)."""
 
 
 @dataclass
@@ -79,12 +82,14 @@ def split_data(work: Path, seed: int, synthetic: SyntheticSet | None = None) -> 
             prepare_orl(str(directory), heldout=10, seed=seed)
         return directory
     s = synthetic
-    directory = (work / "data" /
-                 f"synthetic{s.classes}x{s.per_class}-heldout{s.heldout}x{s.pairs}-seed{seed}")
+    likeness = f"-shared{s.shared:g}" if s.shared else ""
+    directory = (work / "data" / f"synthetic{s.classes}x{s.per_class}{likeness}"
+                 f"-heldout{s.heldout}x{s.pairs}-seed{seed}")
     if not (directory / "synthetic_heldout.bin").is_file():
         from .data.synthetic import prepare_synthetic
 
-        prepare_synthetic(str(directory), s.classes, s.per_class, s.heldout, s.pairs, seed)
+        prepare_synthetic(str(directory), s.classes, s.per_class, s.heldout, s.pairs, seed,
+                          s.shared)
     return directory
 
 
@@ -222,11 +227,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="synthetic: held-out identities for the verification pairs")
     parser.add_argument("--pairs", type=int, default=3000,
                         help="synthetic: genuine pairs (as many impostor pairs)")
+    parser.add_argument("--shared", type=fraction, default=0.0,
+                        help="synthetic: how much all identities look alike, in [0, 1)")
     parser.add_argument("--plot", type=Path, metavar="DIR",
                         help="also draw every split's arms on shared figures in DIR/split<seed>")
     args = parser.parse_args(argv)
-    synthetic = (SyntheticSet(args.synthetic, args.per_class, args.heldout, args.pairs)
-                 if args.synthetic else None)
+    synthetic = (SyntheticSet(args.synthetic, args.per_class, args.heldout, args.pairs,
+                              args.shared) if args.synthetic else None)
     config = args.config or ("configs/synthetic_sampling.py" if synthetic else "configs/orl.py")
     arms = {}
     for arm in args.arm:

@@ -4,9 +4,9 @@ Every rank builds the same global problem from a seed, runs PartialFC on its par
 and compares with the float64 full-softmax reference in pfc_reference.py. It prints
 `PASS rank R ...` with the errors it saw, or raises. Usage:
 
-    python tests/pfc_worker.py CASE      (CASE: exact, unequal, sampled, fp16,
-                                          fp16-sampled, bf16, bad-label, nonfinite, width,
-                                          loss-scale)
+    python tests/pfc_worker.py CASE      (CASE: exact, unequal, sampled, dense-sampled,
+                                          fp16, fp16-sampled, bf16, bad-label, nonfinite,
+                                          width, loss-scale)
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ def problem(seed, world, num_classes, dim, batch_sizes):
 
 def run_steps(case: str, rank: int, world: int) -> dict:
     sampled, fp16 = "sampled" in case, "fp16" in case
+    lazy = not case.startswith("dense")  # dense: every row's momentum and decay, every step
     num_classes, dim = (400, 24) if sampled else (53, 24)
     sample_rate = 0.2 if sampled else 1.0
     batch_sizes = [4 + r for r in range(world)] if case == "unequal" else [5] * world
@@ -54,7 +55,7 @@ def run_steps(case: str, rank: int, world: int) -> dict:
     momentum = (0.01 * rng.normal(size=(num_classes, dim))).astype(np.float32)
     pfc = PartialFC(num_classes, dim, rank=rank, world_size=world, sample_rate=sample_rate,
                     margin=margin, scale=scale, momentum=MU, weight_decay=WD,
-                    fp16_centers=fp16, seed=7)
+                    fp16_centers=fp16, seed=7, lazy_update=lazy)
     shard = slice(pfc.shard.start, pfc.shard.stop)
     if fp16:  # the reference starts from the same rounded centers
         weight, momentum = weight.astype(np.float16), momentum.astype(np.float16)
@@ -75,7 +76,8 @@ def run_steps(case: str, rank: int, world: int) -> dict:
         assert grad.dtype == local_x.dtype and grad.shape == local_x.shape
         sampled = np.sort(np.concatenate(hvd.allgather_object(pfc.sampled_classes)))
         ref_loss, ref_gx, ref_gw = loss_and_grads(x, labels, ref_w, margin, scale, sampled)
-        new_w, new_m = sgd_momentum(ref_w, ref_m, ref_gw, sampled, LR, MU, WD)
+        updated = sampled if lazy else np.arange(num_classes)
+        new_w, new_m = sgd_momentum(ref_w, ref_m, ref_gw, updated, LR, MU, WD)
         got_w, got_m = pfc.weight.asnumpy(), pfc.momentum.asnumpy()
         errors["loss"] = max(errors["loss"], rel(loss.asscalar(), ref_loss))
         errors["grad"] = max(errors["grad"], rel(grad.astype("float32").asnumpy(), ref_gx[mine]))
@@ -84,10 +86,13 @@ def run_steps(case: str, rank: int, world: int) -> dict:
         errors["update"] = max(errors["update"],
                                rel(got_w - before_w, (new_w - ref_w)[shard]))
         untouched = np.setdiff1d(np.arange(pfc.shard.count), pfc.sampled_classes - pfc.shard.start)
-        if len(untouched):  # unsampled rows and their momentum: bit for bit
+        if len(untouched) and lazy:  # unsampled rows and their momentum: bit for bit
             assert got_w[untouched].tobytes() == before_w[untouched].tobytes(), "row changed"
             assert got_m[untouched].tobytes() == before_m[untouched].tobytes(), "momentum changed"
             errors["untouched_rows"] = len(untouched)
+        elif len(untouched):  # dense: they moved by their momentum and decay alone
+            assert not np.array_equal(got_w[untouched], before_w[untouched]), "rows still"
+            errors["moved_unsampled_rows"] = len(untouched)
         ref_w, ref_m = new_w, new_m
         if fp16:  # the stored state is rounded to float16; continue from it
             ref_w, ref_m = got_w.astype(np.float64), got_m.astype(np.float64)

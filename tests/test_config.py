@@ -67,6 +67,13 @@ def test_invalid_values_are_rejected(tmp_path, override, message):
         load_config(path, [override])
 
 
+def test_the_dense_center_update_is_refused_for_float16_centers(tmp_path):
+    path = write(tmp_path / "c.py", "num_classes = 10\ncenter_lazy_update = False\n")
+    assert load_config(path).center_lazy_update is False
+    with pytest.raises(ConfigError, match="center_lazy_update=False needs float32 centers"):
+        load_config(path, ["fp16_centers=True"])
+
+
 def test_missing_or_broken_file_names_it(tmp_path):
     with pytest.raises(ConfigError, match="nope.py does not exist"):
         load_config(tmp_path / "nope.py")

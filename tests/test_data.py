@@ -298,6 +298,26 @@ def test_synthetic_identities_are_reproducible_and_distinct(tmp_path):
     assert labels == [c for c in range(40) for _ in range(3)]
 
 
+def test_shared_synthetic_identities_look_alike_by_that_fraction():
+    """`shared` blends one common picture into every prototype: identities get closer
+    (the study's harder set), their own variation stays, and 0 changes nothing."""
+    def mean_image_distance(shared: float) -> tuple:
+        faces = [[decode_face(b)[0].astype(float) for b in identity_images(5, c, 2, shared)]
+                 for c in range(12)]
+        within = np.mean([np.abs(f[0] - f[1]).mean() for f in faces])
+        between = np.mean([np.abs(faces[c][0] - faces[c + 1][0]).mean() for c in range(11)])
+        return within, between
+
+    assert identity_images(5, 2, 2, 0.0) == identity_images(5, 2, 2)
+    assert identity_images(5, 2, 2, 0.8) == identity_images(5, 2, 2, 0.8)
+    assert identity_images(5, 2, 2, 0.8) != identity_images(5, 2, 2)
+    (within0, between0), (within8, between8) = mean_image_distance(0), mean_image_distance(0.8)
+    assert between8 < 0.7 * between0 and within8 > 0.6 * within0
+    assert within8 / between8 > within0 / between0 + 0.2
+    refused = run(python_module("pack-synthetic", "x", "--shared", "1"))
+    assert refused.returncode == 2 and "--shared: 1 is not in [0, 1)" in refused.stdout
+
+
 # ----- several processes -----
 
 @pytest.mark.parametrize("launcher", ["horovodrun", "mpirun"])

@@ -41,6 +41,8 @@ def assert_every_rank_passed(result, world: int, case: str):
     ("mpirun", 3, "exact"),           # 18, 18, 17
     ("horovodrun", 3, "sampled"),     # sample_rate 0.2 of 400 classes
     ("mpirun", 2, "sampled"),
+    ("python", 1, "dense-sampled"),   # lazy_update=False: every row's momentum and decay
+    ("mpirun", 2, "dense-sampled"),
     ("mpirun", 3, "unequal"),         # batches of 4, 5 and 6 rows
     ("horovodrun", 2, "fp16"),        # float16 embeddings and float16 center storage
     ("mpirun", 2, "fp16-sampled"),

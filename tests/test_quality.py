@@ -92,3 +92,16 @@ def test_a_run_without_baseline_shows_a_dash_and_several_sets_are_refused(tmp_pa
     write_log(several, 0.93, 0.5, sets=("heldout", "lfw"))
     with pytest.raises(SystemExit, match=r"one held-out set.*\['heldout', 'lfw'\]"):
         read_result(several)
+
+
+def test_synthetic_splits_are_made_once_per_seed_and_likeness(tmp_path):
+    harder = quality.SyntheticSet(classes=12, per_class=2, heldout=10, pairs=20, shared=0.5)
+    data = quality.split_data(tmp_path, 1, harder)
+    assert data.name == "synthetic12x2-shared0.5-heldout10x20-seed1"
+    assert (data / "property").read_text().startswith("12,")
+    made = (data / "train.rec").stat().st_mtime_ns
+    assert quality.split_data(tmp_path, 1, harder) == data  # reused, not made again
+    assert (data / "train.rec").stat().st_mtime_ns == made
+    plain = quality.split_data(tmp_path, 1, quality.SyntheticSet(12, 2, 10, 20))
+    assert plain.name == "synthetic12x2-heldout10x20-seed1"
+    assert (plain / "train.rec").read_bytes() != (data / "train.rec").read_bytes()
