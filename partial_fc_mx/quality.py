@@ -157,9 +157,10 @@ def run_arm(config: str, work: Path, name: str, overrides: list[str], seeds: lis
             minutes = train_once(config, data, overrides, work_dir, processes)
             saved.write_text(json.dumps({**key, "minutes": minutes}))
         results.append(read_result(work_dir))
-        print(f"{name} split {seed}: {results[-1].trained:.4f} (untrained "
-              f"{results[-1].untrained:.4f}, eigenfaces {results[-1].eigenfaces:.4f}, "
-              f"{results[-1].minutes:.1f} min)", flush=True)
+        r = results[-1]
+        eigenfaces = "-" if r.eigenfaces is None else f"{r.eigenfaces:.4f}"
+        print(f"{name} split {seed}: {r.trained:.4f} (untrained {r.untrained:.4f}, "
+              f"eigenfaces {eigenfaces}, {r.minutes:.1f} min)", flush=True)
     return results
 
 

@@ -17,6 +17,7 @@ that can still show differences between recipes.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,12 +59,18 @@ def variation(face: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return np.clip(noisy, 0, 255).astype(np.uint8)
 
 
+@functools.lru_cache(maxsize=4)
+def common_face(seed: int) -> np.ndarray:
+    """The picture every identity of `seed` shares a part of (made once per seed)."""
+    return prototype(np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(1,))))
+
+
 def identity_images(seed: int, class_id: int, count: int, shared: float = 0.0) -> list[bytes]:
     rng = np.random.default_rng([seed, class_id])
     face = prototype(rng)
     if shared:
-        common = prototype(np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(1,))))
-        face = np.rint(shared * common + (1 - shared) * face.astype(np.float64)).astype(np.uint8)
+        face = np.rint(shared * common_face(seed) + (1 - shared) * face.astype(np.float64))
+        face = face.astype(np.uint8)
     return [encode_jpeg(variation(face, rng), quality=90) for _ in range(count)]
 
 

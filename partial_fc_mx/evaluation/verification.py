@@ -25,14 +25,20 @@ FOLDS = 10
 @dataclass
 class VerificationSet:
     name: str
-    images: np.ndarray
-    """2K x 3 x 112 x 112 float32, network input; pair k is images 2k and 2k + 1."""
+    faces: np.ndarray
+    """The distinct images (by encoded bytes), network input (N x 3 x 112 x 112 float32),
+    each decoded and embedded once: pair sets reuse faces (ORL's held-out set: about
+    1,800 images of 100 faces)."""
     issame: np.ndarray
     distinct: np.ndarray
-    """Indices of the distinct images (by encoded bytes), each embedded once: pair sets
-    reuse faces (ORL's held-out set: about 1,800 images of 100 faces)."""
+    """For each of `faces`, its index among the 2K images of the file."""
     where: np.ndarray
-    """For each of the 2K images, its row in `distinct`."""
+    """For each of the 2K images, its row in `faces`."""
+
+    @property
+    def images(self) -> np.ndarray:
+        """All 2K images, network input; pair k is images 2k and 2k + 1."""
+        return self.faces[self.where]
 
 
 @dataclass(frozen=True)
@@ -63,8 +69,8 @@ def load_bin(path: str | Path) -> VerificationSet:
         if face is None:
             raise DataError(f"{path}: image {i} cannot be decoded")
         decoded.append(face)
-    faces = to_network_input(np.stack(decoded))
-    return VerificationSet(path.stem, faces[where], np.asarray(issame), distinct, where)
+    return VerificationSet(path.stem, to_network_input(np.stack(decoded)), np.asarray(issame),
+                           distinct, where)
 
 
 def mxnet_forward(net, ctx: mx.Context):
@@ -130,5 +136,5 @@ def best_threshold(similarity: np.ndarray, issame: np.ndarray) -> float:
 
 
 def verify(forward, dataset: VerificationSet) -> VerificationResult:
-    embeddings = embed(forward, dataset.images[dataset.distinct])[dataset.where]
+    embeddings = embed(forward, dataset.faces)[dataset.where]
     return ten_fold_accuracy(pair_similarities(embeddings), dataset.issame.astype(bool))
