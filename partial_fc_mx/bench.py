@@ -28,11 +28,12 @@ import numpy as np
 import psutil
 
 from . import dist, durable
+from .centers import estimate_memory, shard_of
 from .config import load_config
 from .data.loader import FaceLoader, WaitTimer
 from .data.recordio import RecordDataset
 from .data.synthetic import prepare_synthetic
-from .partial_fc import PartialFC, estimate_memory, shard_of
+from .partial_fc import PartialFC
 
 MiB = 1024**2
 

@@ -20,10 +20,10 @@ import mxnet as mx
 import psutil
 
 from . import dist, gpu_support, workdir
+from .centers import MemoryEstimate, estimate_memory
 from .checkpoint import CheckpointError, find_resumable
 from .config import Config
 from .data.recordio import DataError, RecordDataset
-from .partial_fc import MemoryEstimate, estimate_memory
 
 GiB = 1024**3
 
@@ -50,7 +50,7 @@ def run_check(config: Config, checkpoint: str | None = None) -> int:
     ctx = dist.device(world.local_rank)
     need = estimate_memory(
         config.num_classes, config.embedding_size, world.size, world.rank, config.sample_rate,
-        config.batch_size * world.size, config.fp16_centers,
+        config.batch_size * world.size, config.fp16_centers, config.centers_optimizer(),
     )
     info = RankInfo(
         world.rank, world.local_rank, world.local_size, socket.gethostname(), str(ctx),
@@ -157,8 +157,9 @@ def dataset_disagreement_across_ranks(fingerprint: dict | None) -> str | None:
 def check_memory(need: MemoryEstimate, available: int) -> list[str]:
     if need.total <= available:
         return []
-    return [f"Partial FC needs {need.total / GiB:.1f} GiB per process (centers and momentum "
-            f"{need.centers / GiB:.1f} GiB, per-step {need.working / GiB:.1f} GiB) but "
+    return [f"Partial FC needs {need.total / GiB:.1f} GiB per process (centers and their "
+            f"optimizer state {need.centers / GiB:.1f} GiB, per-step "
+            f"{need.working / GiB:.1f} GiB) but "
             f"{available / GiB:.1f} GiB is free; use more processes, a lower sample_rate or "
             "fp16_centers=True"]
 
@@ -185,8 +186,8 @@ def print_report(config: Config, ranks: list[RankInfo]) -> None:
           f"val_targets {[str(p) for p in config.val_paths()]}")
     print(f"work_dir: {config.output} (must be one directory shared by every host)")
     need = ranks[0].memory_need
-    print(f"Partial FC memory on rank 0: centers+momentum {need.centers / GiB:.3f} GiB, "
-          f"per step {need.working / GiB:.3f} GiB")
+    print(f"Partial FC memory on rank 0: centers and their optimizer state "
+          f"{need.centers / GiB:.3f} GiB, per step {need.working / GiB:.3f} GiB")
 
 
 def horovod_build_summary() -> str:

@@ -2,11 +2,14 @@
 
     work_dir/checkpoints/step_000120/
         meta.json                      progress, world size, class count, shard ranges,
-                                       and every file below with its size and CRC-32
+                                       the centers' optimizer and its states, and every
+                                       file below with its size and CRC-32
         backbone.params                backbone weights and BatchNorm statistics
         backbone_optimizer.npz         the backbone optimizer's state (no pickle)
         rank_{r}_softmax_weight.npy    rank r's class centers (rows start..stop of C x D)
-        rank_{r}_softmax_weight_mom.npy  and their momentum
+        rank_{r}_softmax_weight_{state}.npy  each state of the centers' optimizer, one
+                                       row per center (SGD: _mom, AdamW: _mean, _var,
+                                       _steps)
         rank_{r}_sampler.json          rank r's negative-sampling generator state
     work_dir/backbone-symbol.json, backbone-0000.params   the backbone for inference
 
@@ -19,8 +22,8 @@ rank writes into the same directory: `work_dir` must be shared by all hosts
 
 Resuming takes the newest checkpoint that verifies (every listed file present,
 of its size and checksum), naming each one it skips and why. On another number
-of processes each new rank cuts its rows out of the old shards (memory-mapped, so
-no rank loads the whole matrix).
+of processes each new rank cuts its rows out of the old shards, the weights and
+every state alike (memory-mapped, so no rank loads the whole matrix).
 """
 
 from __future__ import annotations
@@ -38,13 +41,17 @@ import mxnet as mx
 import numpy as np
 
 from . import dist, durable
+from .centers import shard_of
 from .optimizers import load_trainer_state, save_trainer_state
-from .partial_fc import PartialFC, shard_of
+from .partial_fc import PartialFC
+from .precision import all_finite
 
 CHECKPOINTS = "checkpoints"
 BACKBONE, OPTIMIZER, META = "backbone.params", "backbone_optimizer.npz", "meta.json"
 BEST = "backbone-best.json"
-FORMAT = 2  # meta.json's "format": bumped when the layout above changes
+FORMAT = 3  # meta.json's "format": bumped when the layout above changes
+SGD_STATES = ["mom"]
+"""The center states of a checkpoint whose meta.json names none (formats 1 and 2)."""
 
 
 @dataclass
@@ -94,9 +101,17 @@ def checkpoints(work_dir: str | os.PathLike) -> list[Path]:
     return sorted(found, key=step_of)
 
 
-def rank_files(rank: int) -> list[str]:
-    return [f"rank_{rank}_softmax_weight.npy", f"rank_{rank}_softmax_weight_mom.npy",
-            f"rank_{rank}_sampler.json"]
+def center_file(rank: int, name: str) -> str:
+    """The .npy of rank `rank`'s center array `name` ("weight" or an optimizer state)."""
+    return f"rank_{rank}_softmax_weight{'' if name == 'weight' else '_' + name}.npy"
+
+
+def sampler_file(rank: int) -> str:
+    return f"rank_{rank}_sampler.json"
+
+
+def center_states(meta: dict) -> list[str]:
+    return list(meta.get("center_states", SGD_STATES))
 
 
 # ----- saving -----
@@ -125,6 +140,8 @@ def save(work_dir: Path, state: TrainState, net, trainer, pfc: PartialFC,
                 "num_classes": pfc.num_classes, "embedding_size": pfc.embedding_size,
                 "shards": [list(asdict(shard_of(pfc.num_classes, r, world.size)).values())
                            for r in range(world.size)],
+                "center_optimizer": pfc.centers.optimizer.name,
+                "center_states": sorted(pfc.centers.states),
                 "files": dict(sorted(table.items()))}
         durable.write_file(partial / META, lambda f: f.write(json.dumps(meta, indent=1)
                                                              .encode()))
@@ -147,13 +164,12 @@ def refuse_non_finite(net, pfc: PartialFC, step: int, work_dir: Path) -> None:
     backbone and its shard of the centers; all ranks raise together."""
     arrays = {f"backbone parameter {name}": param.data()
               for name, param in net.collect_params().items()}
-    arrays.update({"class centers": pfc.weight, "class-center momentum": pfc.momentum})
-    values = list(arrays.values())
-    finite = bool(mx.nd.multi_all_finite(*values, num_arrays=len(values)).asscalar())
+    arrays.update({"class centers": pfc.centers.weight,
+                   **{f"class-center state {name}": state
+                      for name, state in pfc.centers.states.items()}})
     error = None
-    if not finite:
-        bad = [name for name, array in arrays.items()
-               if not mx.nd.multi_all_finite(array, num_arrays=1).asscalar()]
+    if not all_finite(list(arrays.values())):
+        bad = [name for name, array in arrays.items() if not all_finite([array])]
         previous = checkpoints(work_dir)
         kept = (f"the last good checkpoint, {previous[-1]}, is untouched: lower lr or set "
                 "clip_grad, then resume with --resume-from" if previous else
@@ -167,15 +183,13 @@ def refuse_non_finite(net, pfc: PartialFC, step: int, work_dir: Path) -> None:
 def write_rank_files(directory: Path, net, trainer, pfc: PartialFC,
                      world: dist.World) -> dict:
     """This rank's files, written and fsynced; {name: {"bytes", "crc32"}}."""
-    weight, momentum, sampler = rank_files(world.rank)
-    files = {
-        weight: durable.write_file(directory / weight,
-                                   lambda f: np.save(f, pfc.weight.asnumpy())),
-        momentum: durable.write_file(directory / momentum,
-                                     lambda f: np.save(f, pfc.momentum.asnumpy())),
-        sampler: durable.write_file(directory / sampler, lambda f: f.write(
-            json.dumps(pfc.rng.bit_generator.state).encode())),
-    }
+    state = pfc.centers.state_dict()
+    sampler = sampler_file(world.rank)
+    files = {sampler: durable.write_file(directory / sampler, lambda f: f.write(
+        json.dumps(state.pop("sampler")).encode()))}
+    for name, array in state.items():
+        files[center_file(world.rank, name)] = durable.write_file(
+            directory / center_file(world.rank, name), lambda f, array=array: np.save(f, array))
     if world.is_main:
         files[BACKBONE] = durable.written_by(directory / BACKBONE, net.save_parameters)
         files[OPTIMIZER] = durable.written_by(directory / OPTIMIZER,
@@ -275,8 +289,8 @@ def verify(checkpoint: Path, rank: int = 0, world_size: int = 1,
     except (ValueError, KeyError, TypeError, AttributeError) as error:
         return [f"{checkpoint / META} is damaged or from an older version ({error!r}); "
                 "an older checkpoint can be used with --load-from (weights only)"]
-    expected = [OPTIMIZER, *weight_files(saved_world),
-                *(rank_files(r)[2] for r in range(saved_world))]
+    expected = [OPTIMIZER, BACKBONE, *(name for r in range(saved_world) for name in [
+        sampler_file(r), *(center_file(r, n) for n in ["weight", *center_states(meta)])])]
     problems = [f"{checkpoint / name} is not listed in meta.json" for name in expected
                 if name not in files]
     for i, (name, (size, crc)) in enumerate(sorted(files.items())):
@@ -292,7 +306,9 @@ def verify(checkpoint: Path, rank: int = 0, world_size: int = 1,
 
 
 def weight_files(world_size: int) -> list[str]:
-    return [BACKBONE, *(name for r in range(world_size) for name in rank_files(r)[:2])]
+    """What a first-format checkpoint (SGD, no file list) must hold for --load-from."""
+    return [BACKBONE, *(center_file(r, n) for r in range(world_size)
+                        for n in ["weight", *SGD_STATES])]
 
 
 def find_resumable(path: str | os.PathLike, world: dist.World,
@@ -324,34 +340,45 @@ def find_resumable(path: str | os.PathLike, world: dist.World,
 
 
 # ----- loading -----
-def read_meta(checkpoint: Path, pfc: PartialFC) -> dict:
+def read_meta(checkpoint: Path, pfc: PartialFC, weights_only: bool = False) -> dict:
+    """meta.json, if this run can take the checkpoint: the same classes and embedding
+    size, and (to resume) the centers' optimizer the checkpoint keeps the states of."""
     meta = json.loads((checkpoint / META).read_text())
     if (meta["num_classes"], meta["embedding_size"]) != (pfc.num_classes, pfc.embedding_size):
         raise CheckpointError(
             f"{checkpoint} holds {meta['num_classes']} x {meta['embedding_size']} class centers "
             f"but this run has num_classes={pfc.num_classes}, "
             f"embedding_size={pfc.embedding_size}")
+    saved = meta.get("center_optimizer", "sgd")
+    if not weights_only and saved != pfc.centers.optimizer.name:
+        raise CheckpointError(
+            f"{checkpoint} was trained with center_optimizer={saved!r}; this run has "
+            f"center_optimizer={pfc.centers.optimizer.name!r}. Resume with {saved!r}, or "
+            f"start {pfc.centers.optimizer.name!r} afresh from its weights with --load-from")
     return meta
 
 
-def load_centers(checkpoint: Path, meta: dict, pfc: PartialFC,
-                 with_momentum: bool) -> None:
-    """This rank's rows of the centers (and momentum), cut from the saved shards."""
-    parts = {"weight": [], "mom": []}
+def load_centers(checkpoint: Path, meta: dict, pfc: PartialFC, with_states: bool,
+                 sampler: dict | None = None) -> None:
+    """This rank's rows of the centers (and of every optimizer state), cut from the
+    saved shards; without states, the optimizer starts afresh. `sampler`: the
+    generator state to continue (None: keep the current stream)."""
+    widths = pfc.centers.widths()
+    names = ["weight", *(center_states(meta) if with_states else [])]
+    parts = {name: [] for name in names}
     mine = pfc.shard
     for rank, (start, count) in enumerate(meta["shards"]):
         low, high = max(start, mine.start), min(start + count, mine.stop)
         if low >= high:
             continue
-        rows = slice(low - start, high - start)
-        weight, momentum = rank_files(rank)[:2]
-        shape = (count, meta["embedding_size"])
-        parts["weight"].append(saved_rows(checkpoint / weight, shape)[rows])
-        if with_momentum:
-            parts["mom"].append(saved_rows(checkpoint / momentum, shape)[rows])
-    weight = np.concatenate(parts["weight"])
-    momentum = np.concatenate(parts["mom"]) if with_momentum else np.zeros_like(weight)
-    pfc.load_shard(weight, momentum)
+        for name in names:
+            saved = saved_rows(checkpoint / center_file(rank, name), (count, widths[name]))
+            parts[name].append(saved[low - start:high - start])
+    try:
+        pfc.centers.load_state_dict({**{name: np.concatenate(p) for name, p in parts.items()},
+                                     **({"sampler": sampler} if sampler else {})})
+    except ValueError as error:
+        raise CheckpointError(f"{checkpoint}: {error}") from error
 
 
 def saved_rows(path: Path, shape: tuple) -> np.ndarray:
@@ -378,18 +405,18 @@ def resume(checkpoint: Path, net, trainer, pfc: PartialFC, world: dist.World,
     meta = read_meta(checkpoint, pfc)
     net.load_parameters(str(checkpoint / BACKBONE), ctx=ctx)
     load_trainer_state(trainer, checkpoint / OPTIMIZER, ctx)
-    load_centers(checkpoint, meta, pfc, with_momentum=True)
     state = TrainState(**{f.name: meta[f.name] for f in dataclasses.fields(TrainState)})
     if meta["world_size"] == world.size:
-        sampler = checkpoint / rank_files(world.rank)[2]
-        pfc.rng.bit_generator.state = json.loads(sampler.read_text())
+        sampler = json.loads((checkpoint / sampler_file(world.rank)).read_text())
+        load_centers(checkpoint, meta, pfc, with_states=True, sampler=sampler)
     else:
-        pfc.rng = np.random.default_rng([pfc.seed, world.rank, state.step])
+        load_centers(checkpoint, meta, pfc, with_states=True)
+        pfc.centers.rng = np.random.default_rng([pfc.seed, world.rank, state.step])
     return state
 
 
 def load_weights(checkpoint: Path, net, pfc: PartialFC, ctx: mx.Context) -> None:
     """--load-from: backbone and centers only; optimizer state and step start afresh."""
-    meta = read_meta(checkpoint, pfc)
+    meta = read_meta(checkpoint, pfc, weights_only=True)
     net.load_parameters(str(checkpoint / BACKBONE), ctx=ctx)
-    load_centers(checkpoint, meta, pfc, with_momentum=False)
+    load_centers(checkpoint, meta, pfc, with_states=False)

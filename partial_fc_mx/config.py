@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from .center_optimizers import CenterOptimizer
     from .data.augment import Augmentation
 
 
@@ -71,18 +72,24 @@ class Config:
     scale: float = 64.0
     fp16_centers: bool = False
     """Store this rank's class-center shard in float16 to fit twice the classes."""
+    center_optimizer: str = "sgd"
+    """The class centers' optimizer, a module of partial_fc_mx/center_optimizers/:
+    "sgd" (with `momentum`, the insightface references') or "adamw" (per-row bias
+    correction; its moments are float32 even with fp16_centers). Both use
+    `weight_decay` and the learning rate lr * center_lr_scale."""
     center_lazy_update: bool = True
-    """True (the MXNet reference): a step moves only the sampled centers, and momentum
-    and weight decay reach a row only when it is sampled. False (arcface_torch's
-    PartialFC_V2, a dense optimizer over the whole shard): every row's momentum and
-    weight decay apply every step. float32 centers only; docs/sampling.md compares them."""
+    """True (the MXNet reference): a step moves only the sampled centers, and the
+    optimizer's states and weight decay reach a row only when it is sampled. False
+    (arcface_torch's PartialFC_V2, a dense optimizer over the whole shard): every row
+    takes its states and weight decay every step. float32 centers only;
+    docs/sampling.md compares them."""
 
     # --- optimisation ---
     batch_size: int = 128
     """Per process."""
     optimizer: str = "sgd"
     """The backbone's: "sgd" (with momentum) or "adamw" (decoupled weight decay; try
-    lr=0.001, weight_decay=0.1). The class centers always use sparse SGD + momentum."""
+    lr=0.001, weight_decay=0.1). The class centers': center_optimizer."""
     lr: float = 0.1
     center_lr_scale: float = 1.0
     """The class centers' learning rate is lr * center_lr_scale."""
@@ -121,6 +128,7 @@ class Config:
 
     def validate(self) -> None:
         """Reject values that would fail later, far from their cause, or on one rank."""
+        from . import center_optimizers
         from .backbones import unknown_network
         from .losses import margin_problem
 
@@ -146,6 +154,9 @@ class Config:
             problems.append(f"network: {problem}")
         if self.optimizer not in ("sgd", "adamw"):
             problems.append(f"optimizer={self.optimizer!r} must be 'sgd' or 'adamw'")
+        if self.center_optimizer not in center_optimizers.available():
+            problems.append(f"center_optimizer={self.center_optimizer!r} must be one of "
+                            f"{center_optimizers.available()}")
         if not self.center_lazy_update and self.fp16_centers:
             problems.append("center_lazy_update=False needs float32 centers "
                             "(fp16_centers=False): the dense update is float32 only")
@@ -159,7 +170,7 @@ class Config:
 
     def check_world_size(self, world_size: int) -> None:
         """What only the number of processes decides; the same answer on every rank."""
-        from .partial_fc import num_sample
+        from .centers import num_sample
 
         smallest_shard = self.num_classes // world_size
         if smallest_shard == 0:
@@ -177,6 +188,12 @@ class Config:
 
         return Augmentation(self.augment_crop_scale, self.augment_rotate, self.augment_color,
                             self.augment_blur)
+
+    def centers_optimizer(self) -> CenterOptimizer:
+        from . import center_optimizers
+
+        return center_optimizers.build(self.center_optimizer, momentum=self.momentum,
+                                       weight_decay=self.weight_decay)
 
     def val_paths(self) -> list[Path]:
         """Paths of the verification sets, with bare names resolved inside `rec`."""

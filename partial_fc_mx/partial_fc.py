@@ -1,10 +1,7 @@
 """Partial FC: class centers sharded over the ranks, scored on a sample per step.
 
-Rank r of W owns the contiguous rows [start, start + count) of the C x D center
-matrix, with count = C // W + (r < C % W): balanced to within one row, and
-computable by every rank (and by a resume on another world size) from (C, W) alone.
-
-One step, on every rank (N = the global batch, n = this rank's sampled centers):
+Each rank holds a shard of the C x D class centers with their optimizer states
+(centers.py). One step, on every rank (N = the global batch, n = this rank's sampled centers):
   1. allgather labels (with each row's rank and checks) and the embeddings: N x D;
   2. sample: every positive class in the shard, plus uniform negatives up to n;
   3. G = x_hat @ w.T (one FullyConnected), cos = G / |w|, margin on the targets;
@@ -25,28 +22,11 @@ import horovod.mxnet as hvd
 import mxnet as mx
 import numpy as np
 
+from .center_optimizers import CenterOptimizer
+from .center_optimizers.sgd import SGD
+from .centers import ClassCenters, num_sample, shard_of
 from .losses import CombinedMargin
-
-
-@dataclass(frozen=True)
-class Shard:
-    start: int
-    count: int
-
-    @property
-    def stop(self) -> int:
-        return self.start + self.count
-
-
-def shard_of(num_classes: int, rank: int, world_size: int) -> Shard:
-    base, extra = divmod(num_classes, world_size)
-    start = rank * base + min(rank, extra)
-    return Shard(start, base + (rank < extra))
-
-
-def num_sample(shard_size: int, sample_rate: float) -> int:
-    """Centers a rank scores per step when the batch's positives fit in the sample."""
-    return int(sample_rate * shard_size)
+from .sampling import sample_excluding
 
 
 class PartialFCInputError(ValueError):
@@ -54,7 +34,7 @@ class PartialFCInputError(ValueError):
 
 
 class PartialFC:
-    """The classifier of one rank: its shard of class centers, with momentum.
+    """The classifier of one rank: its shard of class centers, with their optimizer.
 
     Use it inside any MXNet training loop launched under Horovod:
 
@@ -64,7 +44,7 @@ class PartialFC:
             embeddings = backbone(images)
         loss, grad = pfc.forward_backward(embeddings, labels)
         embeddings.backward(grad)            # then the backbone's optimizer step
-        pfc.step(lr)                         # sparse SGD on the sampled centers
+        pfc.step(lr)                         # the optimizer on the sampled centers
     """
 
     def __init__(
@@ -84,49 +64,41 @@ class PartialFC:
         seed: int = 0,
         timer=None,
         lazy_update: bool = True,
+        optimizer: CenterOptimizer | None = None,
     ) -> None:
+        """`optimizer`: the centers' (center_optimizers/); by default SGD with
+        `momentum` and `weight_decay`."""
         if not 0 < sample_rate <= 1:
             raise ValueError(f"sample_rate={sample_rate} must be in (0, 1]")
-        if fp16_centers and not lazy_update:
-            raise ValueError("lazy_update=False needs float32 centers")
         if num_classes < world_size:
             raise ValueError(f"{num_classes} classes cannot be sharded over {world_size} ranks")
         self.num_classes, self.embedding_size = num_classes, embedding_size
         self.rank, self.world_size = rank, world_size
         self.ctx = ctx or mx.cpu()
-        self.shard = shard_of(num_classes, rank, world_size)
+        self.seed = seed
+        self.centers = ClassCenters(
+            shard_of(num_classes, rank, world_size), embedding_size,
+            optimizer or SGD(momentum=momentum, weight_decay=weight_decay), ctx=self.ctx,
+            dtype="float16" if fp16_centers else "float32", seed=seed, rank=rank,
+            lazy=lazy_update)
+        self.shard = self.centers.shard
         self.num_sample = num_sample(self.shard.count, sample_rate)
         self.margin = CombinedMargin(*margin, scale=scale)
-        self.momentum_factor, self.weight_decay = momentum, weight_decay
-        self.lazy_update = lazy_update
-        self.dtype = "float16" if fp16_centers else "float32"
-        self.seed = seed
-        self.rng = np.random.default_rng([seed, rank])
         self.timer = timer or NoTimer()
-        shape = (self.shard.count, embedding_size)
-        self.weight = mx.nd.array(initial_centers(seed, self.shard, embedding_size),
-                                  ctx=self.ctx, dtype=self.dtype)
-        self.momentum = mx.nd.zeros(shape, ctx=self.ctx, dtype=self.dtype)
         self._pending = None  # (index, sampled weights, their gradient) until step()
         self._last_rows = None  # shard rows sampled in the last step; None: all
         self._grad_buffer = None  # d loss / d sampled centers, reused across steps
+
+    @property
+    def weight(self) -> mx.nd.NDArray:
+        """This rank's rows of the class centers."""
+        return self.centers.weight
 
     @property
     def sampled_classes(self) -> np.ndarray:
         """Global class ids this rank scored in the last step."""
         rows = np.arange(self.shard.count) if self._last_rows is None else self._last_rows
         return rows + self.shard.start
-
-    # ----- checkpointing -----
-    def load_shard(self, weight: np.ndarray, momentum: np.ndarray) -> None:
-        """Replace this rank's rows (e.g. cut from a checkpoint saved at another W)."""
-        expected = (self.shard.count, self.embedding_size)
-        for name, array in (("weight", weight), ("momentum", momentum)):
-            if tuple(array.shape) != expected:
-                raise ValueError(f"{name} shard has shape {tuple(array.shape)}, rank "
-                                 f"{self.rank} of {self.world_size} expects {expected}")
-        self.weight = mx.nd.array(weight, ctx=self.ctx, dtype=self.dtype)
-        self.momentum = mx.nd.array(momentum, ctx=self.ctx, dtype=self.dtype)
 
     # ----- one step -----
     def forward_backward(self, embeddings: mx.nd.NDArray, labels,
@@ -150,7 +122,7 @@ class PartialFC:
             x = batch.embeddings.as_in_context(self.ctx)
             x_norm_inv = 1 / mx.nd.norm(x, axis=1, keepdims=True)
             x_hat = x * x_norm_inv
-            w = self._sampled_weights(index)
+            w = self.centers.sampled_weights(index)
         with self.timer.phase("gemm"):
             gram = self._gram(x_hat, w)
         with self.timer.phase("compute"):
@@ -190,38 +162,13 @@ class PartialFC:
         return loss, mine.astype(embeddings.dtype, copy=False)
 
     def step(self, lr: float) -> None:
-        """SGD with momentum and weight decay on the sampled rows only.
-
-        float32 shards use MXNet's lazy row-sparse update, which touches exactly the
-        sampled rows of the weights and momentum in place (no gather or scatter);
-        float16 shards are updated in float32 and stored back rounded. With
-        lazy_update=False every row takes its momentum and weight decay every step
-        (a zero gradient where not sampled), as a dense optimizer over the shard does.
-        """
+        """The centers' optimizer step on the rows sampled by the last forward_backward."""
         if self._pending is None:
             raise RuntimeError("PartialFC.step() needs a forward_backward() first")
         index, w, grad_w = self._pending
         self._pending = None
-        options = dict(lr=lr, momentum=self.momentum_factor, wd=self.weight_decay)
         with self.timer.phase("update"):
-            if self.dtype == "float16":
-                self._update_rounded(index, w, grad_w, options)
-            elif index is None:
-                mx.nd.sgd_mom_update(self.weight, grad_w, self.momentum, out=self.weight,
-                                     **options)
-            else:
-                rows = mx.nd.sparse.row_sparse_array((grad_w, index), shape=self.weight.shape,
-                                                     ctx=self.ctx)
-                mx.nd.sgd_mom_update(self.weight, rows, self.momentum,
-                                     lazy_update=self.lazy_update, out=self.weight, **options)
-
-    def _update_rounded(self, index, w, grad_w, options: dict) -> None:
-        rows = slice(None) if index is None else index
-        momentum = self.momentum if index is None else mx.nd.take(self.momentum, index)
-        momentum = momentum.astype("float32")
-        mx.nd.sgd_mom_update(w, grad_w, momentum, out=w, **options)
-        self.weight[rows] = w.astype("float16")
-        self.momentum[rows] = momentum.astype("float16")
+            self.centers.update(index, w, grad_w, lr)
 
     # ----- the pieces -----
     def _gather(self, embeddings: mx.nd.NDArray, labels) -> GatheredBatch:
@@ -281,16 +228,12 @@ class PartialFC:
             target_col = np.where(in_shard, local, -1)
         else:
             wanted = max(self.num_sample - len(positives), 0)
-            negatives = sample_excluding(self.rng, self.shard.count, positives, wanted)
+            negatives = sample_excluding(self.centers.rng, self.shard.count, positives, wanted)
             index = np.sort(np.concatenate([positives, negatives]))
             target_col = np.where(in_shard, np.searchsorted(index, local), -1)
         self._last_rows = index
         index_nd = None if index is None else mx.nd.array(index, ctx=self.ctx, dtype="int64")
         return index_nd, target_col
-
-    def _sampled_weights(self, index) -> mx.nd.NDArray:
-        w = self.weight if index is None else mx.nd.take(self.weight, index)
-        return w.astype("float32", copy=False)
 
     def _gram(self, x_hat: mx.nd.NDArray, w: mx.nd.NDArray) -> mx.nd.NDArray:
         """G = x_hat @ w.T, recorded: its backward (both GEMMs) runs in oneDNN, the
@@ -376,89 +319,8 @@ def set_entries(matrix: mx.nd.NDArray, where: mx.nd.NDArray, values: mx.nd.NDArr
                                     shape=matrix.shape, out=matrix)
 
 
-CENTER_BLOCK = 4096
-"""Rows per random block of the initial centers."""
-
-
-def initial_centers(seed: int, shard: Shard, embedding_size: int) -> np.ndarray:
-    """N(0, 0.01) rows for the shard's classes, each drawn from a generator keyed by
-    (seed, block of the global class index): the same matrix on any number of
-    processes, and no two shards alike (seeding every rank alike would give equal
-    shards identical centers)."""
-    centers = np.empty((shard.count, embedding_size), np.float32)
-    for block in range(shard.start // CENTER_BLOCK, (shard.stop - 1) // CENTER_BLOCK + 1):
-        values = np.random.default_rng([seed, block]).standard_normal(
-            (CENTER_BLOCK, embedding_size), np.float32)
-        base = block * CENTER_BLOCK
-        low, high = max(base, shard.start), min(base + CENTER_BLOCK, shard.stop)
-        centers[low - shard.start:high - shard.start] = values[low - base:high - base]
-    centers *= 0.01
-    return centers
-
-
-def sample_excluding(rng: np.random.Generator, population: int, excluded: np.ndarray,
-                     count: int) -> np.ndarray:
-    """`count` distinct rows drawn uniformly from range(population) minus `excluded`
-    (sorted, distinct): the free rows are numbered 0..free-1, drawn, then mapped back."""
-    slots = distinct_uniform(rng, population - len(excluded), count)
-    # the k-th free row is k + (the number of excluded rows at or before it)
-    return slots + np.searchsorted(excluded - np.arange(len(excluded)), slots, side="right")
-
-
-def distinct_uniform(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
-    """k distinct ints, every k-subset of range(n) equally likely.
-
-    Memory and time scale with k, not n (numpy's choice permutes all n): draw with
-    replacement, keep the distinct values, top up, then keep a random k of them;
-    each step is symmetric in the values, so the subset is uniform. Past n / 2 it
-    draws the rows to leave out instead, where k is of the order of n anyway.
-    """
-    if k >= n:
-        return np.arange(n)
-    if k > n // 2:
-        return np.setdiff1d(np.arange(n), distinct_uniform(rng, n, n - k), assume_unique=True)
-    chosen = np.empty(0, np.int64)
-    while len(chosen) < k:
-        missing = k - len(chosen)
-        draws = rng.integers(0, n, missing + missing // 8 + 16)
-        chosen = np.unique(np.concatenate([chosen, draws]))
-    return rng.choice(chosen, size=k, replace=False)
-
-
 class NoTimer:
     """The default: no synchronisation, no timing."""
 
     def phase(self, name: str):
         return contextlib.nullcontext()
-
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Bytes one rank needs for Partial FC, apart from the backbone."""
-
-    centers: int
-    """The shard and its momentum, resident for the whole run."""
-    working: int
-    """Per step: the sampled rows (weights, gradient, momentum) and the logit matrices."""
-
-    @property
-    def total(self) -> int:
-        return self.centers + self.working
-
-
-def estimate_memory(
-    num_classes: int,
-    embedding_size: int,
-    world_size: int,
-    rank: int,
-    sample_rate: float,
-    global_batch: int,
-    fp16_centers: bool = False,
-) -> MemoryEstimate:
-    rows = shard_of(num_classes, rank, world_size).count
-    center_bytes = 2 if fp16_centers else 4
-    sampled = min(rows, max(num_sample(rows, sample_rate), global_batch))
-    fp32 = 4
-    sampled_rows = 3 * sampled * embedding_size * fp32
-    logits = 3 * global_batch * sampled * fp32
-    return MemoryEstimate(2 * rows * embedding_size * center_bytes, sampled_rows + logits)

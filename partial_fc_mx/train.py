@@ -177,9 +177,9 @@ def start(config: Config, resume_from: str | None, load_from: str | None) -> Run
         pfc = PartialFC(config.num_classes, config.embedding_size, rank=world.rank,
                         world_size=world.size, ctx=ctx, sample_rate=config.sample_rate,
                         margin=tuple(config.margin_list), scale=config.scale,
-                        momentum=config.momentum, weight_decay=config.weight_decay,
                         fp16_centers=config.fp16_centers, seed=config.seed,
-                        lazy_update=config.center_lazy_update)
+                        lazy_update=config.center_lazy_update,
+                        optimizer=config.centers_optimizer())
         return work_dir, dataset, loader, validation, net, pfc, make_trainer(config, net)
 
     work_dir, dataset, loader, validation, net, pfc, trainer = dist.run_agreed(

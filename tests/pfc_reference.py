@@ -63,9 +63,24 @@ def loss_and_grads(x, labels, weight, margin, s, columns=None):
     return loss, grad_x, grad_weight
 
 
-def sgd_momentum(weight, momentum, grad, rows, lr, mu, wd):
+def sgd_momentum(weight, states, grad, rows, lr, mu, wd):
     """MXNet's sgd_mom_update on `rows` only: v = mu*v - lr*(g + wd*w); w += v."""
-    weight, momentum = weight.astype(np.float64), momentum.astype(np.float64)
+    weight, momentum = weight.astype(np.float64), states["mom"].astype(np.float64)
     momentum[rows] = mu * momentum[rows] - lr * (grad[rows] + wd * weight[rows])
     weight[rows] += momentum[rows]
-    return weight, momentum
+    return weight, {"mom": momentum}
+
+
+def adamw(weight, states, grad, rows, lr, b1, b2, eps, wd):
+    """AdamW on `rows` only, each row's bias correction by its own update count:
+    t += 1; m, v moving averages; w -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * w)."""
+    weight = weight.astype(np.float64)
+    new = {name: state.astype(np.float64) for name, state in states.items()}
+    t, m, v, g = new["steps"], new["mean"], new["var"], grad
+    t[rows] += 1
+    m[rows] = b1 * m[rows] + (1 - b1) * g[rows]
+    v[rows] = b2 * v[rows] + (1 - b2) * g[rows] ** 2
+    m_hat = m[rows] / (1 - b1 ** t[rows])
+    v_hat = v[rows] / (1 - b2 ** t[rows])
+    weight[rows] -= lr * (m_hat / (np.sqrt(v_hat) + eps) + wd * weight[rows])
+    return weight, new

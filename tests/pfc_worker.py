@@ -5,8 +5,9 @@ and compares with the float64 full-softmax reference in pfc_reference.py. It pri
 `PASS rank R ...` with the errors it saw, or raises. Usage:
 
     python tests/pfc_worker.py CASE      (CASE: exact, unequal, sampled, dense-sampled,
-                                          fp16, fp16-sampled, bf16, bad-label, nonfinite,
-                                          width, loss-scale)
+                                          fp16, fp16-sampled, bf16, adamw, adamw-sampled,
+                                          adamw-fp16-sampled, adamw-dense-sampled,
+                                          bad-label, nonfinite, width, loss-scale)
 """
 
 from __future__ import annotations
@@ -19,11 +20,14 @@ import mxnet as mx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pfc_reference import loss_and_grads, sgd_momentum  # noqa: E402
+from pfc_reference import adamw, loss_and_grads, sgd_momentum  # noqa: E402
 
+from partial_fc_mx.center_optimizers.adamw import AdamW  # noqa: E402
+from partial_fc_mx.center_optimizers.sgd import SGD  # noqa: E402
 from partial_fc_mx.partial_fc import PartialFC, PartialFCInputError  # noqa: E402
 
 LR, MU, WD = 0.5, 0.9, 5e-4
+LR_ADAMW = 0.01
 TOLERANCE = 1e-5
 BFLOAT16 = np.dtype([("bfloat16", np.uint16)])  # how MXNet 1.9 names bfloat16
 # relative rounding of the embedding gradient handed back in the embeddings' dtype
@@ -43,25 +47,50 @@ def problem(seed, world, num_classes, dim, batch_sizes):
     return x, labels, offsets
 
 
+def center_optimizer(case: str):
+    """SGD (the default) or AdamW, with its float64 reference update and start states."""
+    if "adamw" in case:
+        optimizer = AdamW(weight_decay=WD)
+
+        def reference(w, states, g, rows):
+            return adamw(w, states, g, rows, LR_ADAMW, optimizer.beta1, optimizer.beta2,
+                         optimizer.epsilon, WD)
+
+        def start(rng, shape):  # rows part-way into training, each sampled a different
+            return {"mean": 0.01 * rng.normal(size=shape),  # number of times before
+                    "var": 1e-4 * rng.random(shape), "steps": rng.integers(0, 4, (shape[0], 1))}
+
+        return optimizer, LR_ADAMW, reference, start
+    optimizer = SGD(momentum=MU, weight_decay=WD)
+    return (optimizer, LR, lambda w, states, g, rows: sgd_momentum(w, states, g, rows, LR, MU, WD),
+            lambda rng, shape: {"mom": 0.01 * rng.normal(size=shape)})
+
+
 def run_steps(case: str, rank: int, world: int) -> dict:
     sampled, fp16 = "sampled" in case, "fp16" in case
-    lazy = not case.startswith("dense")  # dense: every row's momentum and decay, every step
+    lazy = "dense" not in case  # dense: every row's states and decay, every step
     num_classes, dim = (400, 24) if sampled else (53, 24)
     sample_rate = 0.2 if sampled else 1.0
     batch_sizes = [4 + r for r in range(world)] if case == "unequal" else [5] * world
     margin, scale = (1.0, 0.5, 0.0), 30.0
+    optimizer, lr, reference_update, start_states = center_optimizer(case)
     rng = np.random.default_rng(1)
     weight = rng.normal(size=(num_classes, dim)).astype(np.float32)
-    momentum = (0.01 * rng.normal(size=(num_classes, dim))).astype(np.float32)
+    states = start_states(rng, (num_classes, dim))
     pfc = PartialFC(num_classes, dim, rank=rank, world_size=world, sample_rate=sample_rate,
-                    margin=margin, scale=scale, momentum=MU, weight_decay=WD,
-                    fp16_centers=fp16, seed=7, lazy_update=lazy)
+                    margin=margin, scale=scale, fp16_centers=fp16, seed=7, lazy_update=lazy,
+                    optimizer=optimizer)
     shard = slice(pfc.shard.start, pfc.shard.stop)
-    if fp16:  # the reference starts from the same rounded centers
-        weight, momentum = weight.astype(np.float16), momentum.astype(np.float16)
-    pfc.load_shard(weight[shard], momentum[shard])
-    ref_w, ref_m = weight.astype(np.float64), momentum.astype(np.float64)
-    errors = {"loss": 0.0, "grad": 0.0, "weight": 0.0, "momentum": 0.0, "update": 0.0}
+    stored = {name: state.dtype for name, state in pfc.centers.states.items()}
+    # the reference starts from the same (rounded) values
+    weight = weight.astype(pfc.weight.dtype)
+    states = {name: state.astype(stored[name]) for name, state in states.items()}
+    pfc.centers.load_state_dict({"weight": weight[shard],
+                                 **{name: state[shard] for name, state in states.items()}})
+    ref_w = weight.astype(np.float64)
+    ref_states = {name: state.astype(np.float64) for name, state in states.items()}
+    errors = {"loss": 0.0, "grad": 0.0, "weight": 0.0, "update": 0.0,
+              **{f"state_{name}": 0.0 for name in states}}
     for step in range(2):
         x, labels, offsets = problem(100 + step, world, num_classes, dim, batch_sizes)
         mine = slice(offsets[rank], offsets[rank + 1])
@@ -70,34 +99,36 @@ def run_steps(case: str, rank: int, world: int) -> dict:
             dtype = "float16" if fp16 else BFLOAT16
             local_x = mx.nd.amp_cast(local_x, dtype=dtype)
             x = mx.nd.amp_cast(mx.nd.array(x), dtype=dtype).astype("float32").asnumpy()
-        before_w, before_m = pfc.weight.asnumpy(), pfc.momentum.asnumpy()
+        before = pfc.centers.state_dict()
         loss, grad = pfc.forward_backward(local_x, mx.nd.array(labels[mine]))
-        pfc.step(LR)
+        pfc.step(lr)
         assert grad.dtype == local_x.dtype and grad.shape == local_x.shape
         sampled = np.sort(np.concatenate(hvd.allgather_object(pfc.sampled_classes)))
         ref_loss, ref_gx, ref_gw = loss_and_grads(x, labels, ref_w, margin, scale, sampled)
         updated = sampled if lazy else np.arange(num_classes)
-        new_w, new_m = sgd_momentum(ref_w, ref_m, ref_gw, updated, LR, MU, WD)
-        got_w, got_m = pfc.weight.asnumpy(), pfc.momentum.asnumpy()
+        new_w, new_states = reference_update(ref_w, ref_states, ref_gw, updated)
+        got = pfc.centers.state_dict()
         errors["loss"] = max(errors["loss"], rel(loss.asscalar(), ref_loss))
         errors["grad"] = max(errors["grad"], rel(grad.astype("float32").asnumpy(), ref_gx[mine]))
-        errors["weight"] = max(errors["weight"], rel(got_w, new_w[shard]))
-        errors["momentum"] = max(errors["momentum"], rel(got_m, new_m[shard]))
+        errors["weight"] = max(errors["weight"], rel(got["weight"], new_w[shard]))
+        for name, state in new_states.items():
+            errors[f"state_{name}"] = max(errors[f"state_{name}"], rel(got[name], state[shard]))
         errors["update"] = max(errors["update"],
-                               rel(got_w - before_w, (new_w - ref_w)[shard]))
+                               rel(got["weight"] - before["weight"], (new_w - ref_w)[shard]))
         untouched = np.setdiff1d(np.arange(pfc.shard.count), pfc.sampled_classes - pfc.shard.start)
-        if len(untouched) and lazy:  # unsampled rows and their momentum: bit for bit
-            assert got_w[untouched].tobytes() == before_w[untouched].tobytes(), "row changed"
-            assert got_m[untouched].tobytes() == before_m[untouched].tobytes(), "momentum changed"
+        if len(untouched) and lazy:  # unsampled rows and every state of them: bit for bit
+            for name in ["weight", *states]:
+                assert got[name][untouched].tobytes() == before[name][untouched].tobytes(), \
+                    f"{name} of an unsampled row changed"
             errors["untouched_rows"] = len(untouched)
-        elif len(untouched):  # dense: they moved by their momentum and decay alone
-            assert not np.array_equal(got_w[untouched], before_w[untouched]), "rows still"
+        elif len(untouched):  # dense: they moved by their states and decay alone
+            assert not np.array_equal(got["weight"][untouched], before["weight"][untouched])
             errors["moved_unsampled_rows"] = len(untouched)
-        ref_w, ref_m = new_w, new_m
-        if fp16:  # the stored state is rounded to float16; continue from it
-            ref_w, ref_m = got_w.astype(np.float64), got_m.astype(np.float64)
-            ref_w = np.concatenate(hvd.allgather_object(ref_w))
-            ref_m = np.concatenate(hvd.allgather_object(ref_m))
+        ref_w, ref_states = new_w, new_states
+        if fp16:  # the stored values are rounded (float16 centers); continue from them
+            ref_w = np.concatenate(hvd.allgather_object(got["weight"])).astype(np.float64)
+            ref_states = {name: np.concatenate(hvd.allgather_object(got[name])).astype(np.float64)
+                          for name in states}
     return errors
 
 
@@ -158,7 +189,8 @@ def main() -> None:
     center_limit = ROUNDING["fp16"] if "fp16" in case else TOLERANCE  # float16 storage
     errors = run_steps(case, rank, world)
     limits = {"loss": TOLERANCE, "grad": grad_limit, "weight": center_limit,
-              "momentum": center_limit, "update": 100 * center_limit}
+              "update": 100 * center_limit, "state_steps": 0.0,  # counts are exact
+              **{k: center_limit for k in errors if k.startswith("state_") and k != "state_steps"}}
     failed = {k: v for k, v in errors.items() if k in limits and not v <= limits[k]}
     report = " ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}"
                       for k, v in errors.items())

@@ -1,8 +1,8 @@
 """One rank of the re-sharding test. Usage: reshard_worker.py CHECKPOINT_DIR
 
 Each rank cuts its rows out of a checkpoint saved at another world size; rank 0
-checks that the gathered shards equal the saved matrix (weights and momentum) bit
-for bit, and prints RESHARD OK <saved W> -> <this W>.
+checks that the gathered shards equal the saved matrices (the weights and every
+state of the centers' optimizer) bit for bit, and prints RESHARD OK <saved W> -> <this W>.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from pathlib import Path
 import horovod.mxnet as hvd
 import numpy as np
 
-from partial_fc_mx.checkpoint import load_centers
+from partial_fc_mx import center_optimizers
+from partial_fc_mx.checkpoint import center_file, load_centers
 from partial_fc_mx.partial_fc import PartialFC
 
 
@@ -22,20 +23,22 @@ def main() -> None:
     checkpoint = Path(sys.argv[1])
     hvd.init()
     meta = json.loads((checkpoint / "meta.json").read_text())
+    optimizer = center_optimizers.build(meta["center_optimizer"])
     pfc = PartialFC(meta["num_classes"], meta["embedding_size"], rank=hvd.rank(),
-                    world_size=hvd.size())
-    load_centers(checkpoint, meta, pfc, with_momentum=True)
-    weights = hvd.allgather_object(pfc.weight.asnumpy())
-    momenta = hvd.allgather_object(pfc.momentum.asnumpy())
+                    world_size=hvd.size(), optimizer=optimizer)
+    load_centers(checkpoint, meta, pfc, with_states=True)
+    names = ["weight", *meta["center_states"]]
+    assert names[1:] == sorted(pfc.centers.states), names
+    state = pfc.centers.state_dict()
+    gathered = {name: hvd.allgather_object(state[name]) for name in names}
     if hvd.rank() == 0:
-        saved = range(meta["world_size"])
-        for name, got in (("", weights), ("_mom", momenta)):
-            original = np.concatenate([np.load(checkpoint / f"rank_{r}_softmax_weight{name}.npy")
-                                       for r in saved])
-            assert original.shape == (meta["num_classes"], meta["embedding_size"])
-            assert np.concatenate(got).tobytes() == original.tobytes(), f"{name} differs"
-        assert np.abs(np.concatenate(momenta)).sum() > 0, "momentum was not saved"
-        print(f"RESHARD OK {meta['world_size']} -> {hvd.size()}", flush=True)
+        for name in names:
+            original = np.concatenate([np.load(checkpoint / center_file(r, name))
+                                       for r in range(meta["world_size"])])
+            assert len(original) == meta["num_classes"], (name, original.shape)
+            assert np.concatenate(gathered[name]).tobytes() == original.tobytes(), name
+            assert np.abs(original).sum() > 0, f"{name} was not saved"
+        print(f"RESHARD OK {meta['world_size']} -> {hvd.size()} {' '.join(names)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -228,6 +228,31 @@ def test_a_checkpoint_of_the_first_format_loads_weights_but_does_not_resume(
     assert not (tmp_path / "pwned").exists()
 
 
+def test_a_resume_keeps_the_centers_optimizer_and_reads_the_second_format_as_sgd(
+        tmp_path, synthetic, trained):
+    """The states saved are those of one optimizer: resuming with another one would
+    train something else than was asked. --load-from starts the new one afresh.
+    meta.json of the second format names no center optimizer: its states are SGD's."""
+    work = copy_of(trained, tmp_path)
+    saved = work / "checkpoints" / "step_000004"
+    meta = json.loads((saved / "meta.json").read_text())
+    assert (meta["center_optimizer"], meta["center_states"]) == ("sgd", ["mom"])
+    other, _ = resume_one_step(tmp_path, synthetic, work, center_optimizer="adamw")
+    assert other.returncode == 1
+    assert (f"{saved} was trained with center_optimizer='sgd'; this run has "
+            "center_optimizer='adamw'") in other.stdout and "--load-from" in other.stdout
+    config = config_file(tmp_path, synthetic, name="load.py", max_steps=1,
+                         center_optimizer="adamw")
+    loaded = run(train_args(config, tmp_path / "loaded", "--load-from", str(saved)))
+    assert loaded.returncode == 0, loaded.stdout[-3000:]
+    del meta["center_optimizer"], meta["center_states"]
+    meta["format"] = 2
+    (saved / "meta.json").write_text(json.dumps(meta))
+    resumed, log = resume_one_step(tmp_path, synthetic, work)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert sorted(log["losses"]) == [5, 6, 7, 8]  # 2 steps of 48 images, on 1 process
+
+
 def test_a_new_run_moves_an_earlier_runs_checkpoints_aside(tmp_path, synthetic, trained):
     work = copy_of(trained, tmp_path)
     config = config_file(tmp_path, synthetic, name="again.py", max_steps=1, save_every=1)

@@ -59,12 +59,23 @@ def test_unknown_keys_are_rejected_with_a_suggestion(tmp_path):
     ("num_classes=0", "num_classes must be > 0"),
     ("margin_list=(1.0, 0.5)", "must be .m1, m2, m3."),
     ("optimizer='adam'", "'sgd' or 'adamw'"),
+    ("center_optimizer='adam'", r"center_optimizer='adam' must be one of \['adamw', 'sgd'\]"),
     ("keep_checkpoints=0", "keep_checkpoints must be >= 1"),
 ])
 def test_invalid_values_are_rejected(tmp_path, override, message):
     path = write(tmp_path / "c.py", "num_classes = 10\n")
     with pytest.raises(ConfigError, match=message):
         load_config(path, [override])
+
+
+def test_the_center_optimizer_takes_the_settings_it_has(tmp_path):
+    """momentum and weight_decay are shared with the backbone's optimizer: SGD takes
+    both, AdamW only the weight decay (its betas are its own)."""
+    path = write(tmp_path / "c.py", "num_classes = 10\nmomentum = 0.8\nweight_decay = 0.05\n")
+    sgd = load_config(path).centers_optimizer()
+    assert (sgd.name, sgd.momentum, sgd.weight_decay) == ("sgd", 0.8, 0.05)
+    adamw = load_config(path, ["center_optimizer=adamw"]).centers_optimizer()
+    assert (adamw.name, adamw.weight_decay, adamw.beta1, adamw.beta2) == ("adamw", 0.05, 0.9, 0.999)
 
 
 def test_the_dense_center_update_is_refused_for_float16_centers(tmp_path):

@@ -2,8 +2,9 @@
 
 Each launch runs tests/pfc_worker.py on every rank; a rank prints PASS with the
 errors it measured only when loss, embedding gradients and centers after two
-updates are within 1e-5 (relative) of the reference, and unsampled rows are
-bit-identical. Bad input must be rejected with the same message on every rank.
+updates are within 1e-5 (relative) of the reference (SGD with momentum or AdamW
+on the centers), and unsampled rows and their optimizer states are bit-identical.
+Bad input must be rejected with the same message on every rank.
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ def assert_every_rank_passed(result, world: int, case: str):
     ("horovodrun", 2, "fp16"),        # float16 embeddings and float16 center storage
     ("mpirun", 2, "fp16-sampled"),
     ("horovodrun", 2, "bf16"),        # bfloat16 embeddings (MXNet's CPU low precision)
+    ("python", 1, "adamw"),           # AdamW on the centers, per-row bias correction
+    ("horovodrun", 3, "adamw-sampled"),
+    ("mpirun", 2, "adamw-fp16-sampled"),  # float16 centers, float32 moments
+    ("mpirun", 2, "adamw-dense-sampled"),  # lazy_update=False: every row, every step
     ("python", 1, "loss-scale"),      # the fp16 loss scale is applied before the cast
     ("mpirun", 2, "loss-scale"),
 ])

@@ -67,9 +67,13 @@ def test_two_processes_learn_and_verify_better_on_unseen_identities(tmp_path, sy
         assert (work / "plots" / f"{name}.png").stat().st_size > 5000
 
 
-def test_resumed_run_repeats_the_uninterrupted_losses(tmp_path, synthetic):
+@pytest.mark.parametrize("centers", [
+    {},
+    {"center_optimizer": "adamw", "center_lr_scale": 0.1, "fp16_centers": True},
+])
+def test_resumed_run_repeats_the_uninterrupted_losses(tmp_path, synthetic, centers):
     config = config_file(tmp_path, synthetic, max_steps=10, save_every=4, sample_rate=0.5,
-                         keep_checkpoints=5)
+                         keep_checkpoints=5, **centers)
     straight = mpirun(2, train_args(config, tmp_path / "a"), timeout=600)
     assert straight.returncode == 0, straight.stdout[-3000:]
     checkpoint = tmp_path / "a" / "checkpoints" / "step_000004"
@@ -82,9 +86,11 @@ def test_resumed_run_repeats_the_uninterrupted_losses(tmp_path, synthetic):
     assert [b[s] for s in range(5, 11)] == [a[s] for s in range(5, 11)]
 
 
-@pytest.mark.parametrize("before, after", [(2, 1), (1, 2), (2, 3)])
-def test_resharding_keeps_the_center_matrix(tmp_path, synthetic, before, after):
-    config = config_file(tmp_path, synthetic, max_steps=2, save_every=2)
+@pytest.mark.parametrize("before, after, optimizer", [
+    (2, 1, "sgd"), (1, 2, "sgd"), (2, 3, "sgd"), (3, 2, "adamw")])
+def test_resharding_keeps_the_center_matrix(tmp_path, synthetic, before, after, optimizer):
+    config = config_file(tmp_path, synthetic, max_steps=2, save_every=2,
+                         center_optimizer=optimizer)
     args = train_args(config, tmp_path / "work")
     made = mpirun(before, args, timeout=600) if before > 1 else run(args, timeout=600)
     assert made.returncode == 0, made.stdout[-3000:]
@@ -92,9 +98,11 @@ def test_resharding_keeps_the_center_matrix(tmp_path, synthetic, before, after):
     worker = [sys.executable, "tests/reshard_worker.py", str(checkpoint)]
     result = horovodrun_gloo(after, worker, timeout=300) if after > 1 else run(worker)
     assert result.returncode == 0, result.stdout[-3000:]
-    assert f"RESHARD OK {before} -> {after}" in result.stdout
+    states = {"sgd": "mom", "adamw": "mean steps var"}[optimizer]
+    assert f"RESHARD OK {before} -> {after} weight {states}" in result.stdout
     # and training goes on from there on the new number of processes
-    config = config_file(tmp_path, synthetic, max_steps=3, save_every=3)
+    config = config_file(tmp_path, synthetic, max_steps=3, save_every=3,
+                         center_optimizer=optimizer)
     go_on = train_args(config, tmp_path / "more", "--resume-from", str(checkpoint))
     continued = mpirun(after, go_on, timeout=600) if after > 1 else run(go_on, timeout=600)
     assert continued.returncode == 0, continued.stdout[-3000:]

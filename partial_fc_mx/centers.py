@@ -1,0 +1,182 @@
+"""One rank's class centers as a unit: its rows, the optimizer's states, the sampler.
+
+Rank r of W owns the contiguous rows [start, start + count) of the C x D center
+matrix, with count = C // W + (r < C % W): balanced to within one row, and
+computable by every rank (and by a resume on another world size) from (C, W) alone.
+Every optimizer state is an array with one row per center, so a checkpoint saves
+each under its own name and a resume on another world size cuts all of them the
+same way (checkpoint.load_centers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mxnet as mx
+import numpy as np
+
+from .center_optimizers import CenterOptimizer
+from .center_optimizers.sgd import SGD
+
+
+@dataclass(frozen=True)
+class Shard:
+    start: int
+    count: int
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.count
+
+
+def shard_of(num_classes: int, rank: int, world_size: int) -> Shard:
+    base, extra = divmod(num_classes, world_size)
+    start = rank * base + min(rank, extra)
+    return Shard(start, base + (rank < extra))
+
+
+class ClassCenters:
+    """This rank's rows of the centers, each optimizer state, and the sampler's stream.
+
+    `weight` is stored in `dtype` (float16 halves the rows); each optimizer state in
+    the dtype its optimizer asks for. `update` runs the optimizer on the rows a step
+    sampled (or, with lazy=False, on every row, with a zero gradient where not
+    sampled, as a dense optimizer over the shard does).
+    """
+
+    def __init__(self, shard: Shard, embedding_size: int, optimizer: CenterOptimizer, *,
+                 ctx: mx.Context, dtype: str = "float32", seed: int = 0, rank: int = 0,
+                 lazy: bool = True) -> None:
+        if dtype == "float16" and not lazy:
+            raise ValueError("lazy_update=False needs float32 centers")
+        self.shard, self.embedding_size, self.optimizer = shard, embedding_size, optimizer
+        self.ctx, self.dtype, self.lazy = ctx, dtype, lazy
+        self.weight = mx.nd.array(initial_centers(seed, shard, embedding_size), ctx=ctx,
+                                  dtype=dtype)
+        self.states = {name: mx.nd.zeros((shard.count, width), ctx=ctx, dtype=state_dtype)
+                       for name, (width, state_dtype)
+                       in optimizer.states(embedding_size, dtype).items()}
+        self.rng = np.random.default_rng([seed, rank])
+
+    def widths(self) -> dict[str, int]:
+        """Columns of each array of state_dict(): the weight, then every state."""
+        return {"weight": self.embedding_size,
+                **{name: state.shape[1] for name, state in self.states.items()}}
+
+    def state_dict(self) -> dict:
+        """{"weight": rows, <state>: rows, ..., "sampler": the generator's state}."""
+        arrays = {"weight": self.weight, **self.states}
+        return {**{name: array.asnumpy() for name, array in arrays.items()},
+                "sampler": self.rng.bit_generator.state}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Replace this rank's rows (e.g. cut from a checkpoint saved at another W).
+        The weight is required; a state left out starts at zero (--load-from), a
+        missing sampler keeps the current stream."""
+        unknown = set(state) - {*self.widths(), "sampler"}
+        if unknown or "weight" not in state:
+            raise ValueError(f"center state {sorted(state)}: expected weight, sampler and "
+                             f"the {self.optimizer.name} states {sorted(self.states)}")
+        for name, width in self.widths().items():
+            if name in state and tuple(state[name].shape) != (self.shard.count, width):
+                raise ValueError(f"{name} shard has shape {tuple(state[name].shape)}, this "
+                                 f"rank expects {(self.shard.count, width)}")
+        self.weight = mx.nd.array(state["weight"], ctx=self.ctx, dtype=self.dtype)
+        for name, current in self.states.items():
+            value = state.get(name, np.zeros(current.shape))
+            self.states[name] = mx.nd.array(value, ctx=self.ctx, dtype=current.dtype)
+        if "sampler" in state:
+            self.rng.bit_generator.state = state["sampler"]
+
+    def sampled_weights(self, index: mx.nd.NDArray | None) -> mx.nd.NDArray:
+        """The rows `index` (all: None) in float32; the weight itself when it is float32
+        and every row is taken, so an update of it in place is the update."""
+        w = self.weight if index is None else mx.nd.take(self.weight, index)
+        return w.astype("float32", copy=False)
+
+    def update(self, index: mx.nd.NDArray | None, w: mx.nd.NDArray, grad: mx.nd.NDArray,
+               lr: float) -> None:
+        """One optimizer step for rows `index` (None: all) whose float32 values are `w`
+        (from sampled_weights) and whose gradient is `grad`."""
+        if not self.lazy and index is not None:
+            full = mx.nd.zeros(self.weight.shape, ctx=self.ctx)
+            full[index] = grad
+            index, w, grad = None, self.weight, full
+        self.optimizer.update(self, index, w, grad, lr)
+
+    def apply(self, index: mx.nd.NDArray | None, w: mx.nd.NDArray, rule) -> None:
+        """Run `rule(w, states)` on rows `index` with float32 copies of the states, then
+        store the rows back in their dtypes. In place where nothing needs a copy (float32
+        storage, every row); otherwise gathered, updated in float32 and stored rounded."""
+        rows = slice(None) if index is None else index
+        taken = {n: s if index is None else mx.nd.take(s, index) for n, s in self.states.items()}
+        work = {n: s.astype("float32", copy=False) for n, s in taken.items()}
+        rule(w, work)
+        if w is not self.weight:
+            self.weight[rows] = w.astype(self.dtype, copy=False)
+        for name, state in self.states.items():
+            if work[name] is not state:
+                state[rows] = work[name].astype(state.dtype, copy=False)
+
+
+CENTER_BLOCK = 4096
+"""Rows per random block of the initial centers."""
+
+
+def initial_centers(seed: int, shard: Shard, embedding_size: int) -> np.ndarray:
+    """N(0, 0.01) rows for the shard's classes, each drawn from a generator keyed by
+    (seed, block of the global class index): the same matrix on any number of
+    processes, and no two shards alike (seeding every rank alike would give equal
+    shards identical centers)."""
+    centers = np.empty((shard.count, embedding_size), np.float32)
+    for block in range(shard.start // CENTER_BLOCK, (shard.stop - 1) // CENTER_BLOCK + 1):
+        values = np.random.default_rng([seed, block]).standard_normal(
+            (CENTER_BLOCK, embedding_size), np.float32)
+        base = block * CENTER_BLOCK
+        low, high = max(base, shard.start), min(base + CENTER_BLOCK, shard.stop)
+        centers[low - shard.start:high - shard.start] = values[low - base:high - base]
+    centers *= 0.01
+    return centers
+
+
+def num_sample(shard_size: int, sample_rate: float) -> int:
+    """Centers a rank scores per step when the batch's positives fit in the sample."""
+    return int(sample_rate * shard_size)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one rank needs for Partial FC, apart from the backbone."""
+
+    centers: int
+    """The shard and its optimizer states, resident for the whole run."""
+    working: int
+    """Per step: the sampled rows (weights, gradient, states) and the logit matrices."""
+
+    @property
+    def total(self) -> int:
+        return self.centers + self.working
+
+
+def estimate_memory(
+    num_classes: int,
+    embedding_size: int,
+    world_size: int,
+    rank: int,
+    sample_rate: float,
+    global_batch: int,
+    fp16_centers: bool = False,
+    optimizer: CenterOptimizer | None = None,
+) -> MemoryEstimate:
+    """`optimizer`: the centers' (default: SGD with momentum, one state as wide as a row)."""
+    optimizer = optimizer or SGD()
+    rows = shard_of(num_classes, rank, world_size).count
+    dtype = "float16" if fp16_centers else "float32"
+    states = optimizer.states(embedding_size, dtype).values()
+    row_bytes = (embedding_size * np.dtype(dtype).itemsize
+                 + sum(width * np.dtype(state_dtype).itemsize for width, state_dtype in states))
+    sampled = min(rows, max(num_sample(rows, sample_rate), global_batch))
+    fp32 = 4
+    sampled_rows = sampled * (2 * embedding_size + sum(width for width, _ in states)) * fp32
+    logits = 3 * global_batch * sampled * fp32
+    return MemoryEstimate(rows * row_bytes, sampled_rows + logits)
