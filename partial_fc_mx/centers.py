@@ -10,6 +10,7 @@ same way (checkpoint.load_centers).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mxnet as mx
@@ -63,10 +64,14 @@ class ClassCenters:
         return {"weight": self.embedding_size,
                 **{name: state.shape[1] for name, state in self.states.items()}}
 
+    def arrays(self) -> dict[str, mx.nd.NDArray]:
+        """{"weight": rows, <state>: rows, ...} on the device (a checkpoint copies one
+        at a time to the host)."""
+        return {"weight": self.weight, **self.states}
+
     def state_dict(self) -> dict:
         """{"weight": rows, <state>: rows, ..., "sampler": the generator's state}."""
-        arrays = {"weight": self.weight, **self.states}
-        return {**{name: array.asnumpy() for name, array in arrays.items()},
+        return {**{name: array.asnumpy() for name, array in self.arrays().items()},
                 "sampler": self.rng.bit_generator.state}
 
     def load_state_dict(self, state: dict) -> None:
@@ -83,10 +88,15 @@ class ClassCenters:
                                  f"rank expects {(self.shard.count, width)}")
         self.weight = mx.nd.array(state["weight"], ctx=self.ctx, dtype=self.dtype)
         for name, current in self.states.items():
-            value = state.get(name, np.zeros(current.shape))
-            self.states[name] = mx.nd.array(value, ctx=self.ctx, dtype=current.dtype)
+            self.states[name] = (mx.nd.array(state[name], ctx=self.ctx, dtype=current.dtype)
+                                 if name in state else mx.nd.zeros_like(current))
         if "sampler" in state:
             self.rng.bit_generator.state = state["sampler"]
+
+    def restart_sampler(self, seed: int, rank: int, step: int) -> None:
+        """A fresh negative-sampling stream, e.g. after a resume on another world size
+        (the saved streams belong to other ranks)."""
+        self.rng = np.random.default_rng([seed, rank, step])
 
     def sampled_weights(self, index: mx.nd.NDArray | None) -> mx.nd.NDArray:
         """The rows `index` (all: None) in float32; the weight itself when it is float32
@@ -98,13 +108,21 @@ class ClassCenters:
                lr: float) -> None:
         """One optimizer step for rows `index` (None: all) whose float32 values are `w`
         (from sampled_weights) and whose gradient is `grad`."""
-        if not self.lazy and index is not None:
-            full = mx.nd.zeros(self.weight.shape, ctx=self.ctx)
-            full[index] = grad
-            index, w, grad = None, self.weight, full
         self.optimizer.update(self, index, w, grad, lr)
 
-    def apply(self, index: mx.nd.NDArray | None, w: mx.nd.NDArray, rule) -> None:
+    def every_row(self, index: mx.nd.NDArray | None, w: mx.nd.NDArray,
+                  grad: mx.nd.NDArray) -> tuple:
+        """(index, w, grad) of a dense step over the whole shard when lazy is False (a
+        zero gradient where not sampled: the states and decay still act), else as given.
+        float32 centers only, so w is the weight itself."""
+        if self.lazy or index is None:
+            return index, w, grad
+        full = mx.nd.zeros(self.weight.shape, ctx=self.ctx)
+        full[index] = grad
+        return None, self.weight, full
+
+    def apply(self, index: mx.nd.NDArray | None, w: mx.nd.NDArray,
+              rule: Callable[[mx.nd.NDArray, dict], None]) -> None:
         """Run `rule(w, states)` on rows `index` with float32 copies of the states, then
         store the rows back in their dtypes. In place where nothing needs a copy (float32
         storage, every row); otherwise gathered, updated in float32 and stored rounded."""

@@ -2,6 +2,7 @@
 
     work_dir/checkpoints/step_000120/
         meta.json                      progress, world size, class count, shard ranges,
+                                       the margin and its state (AdaFace's statistics),
                                        the centers' optimizer and its states, and every
                                        file below with its size and CRC-32
         backbone.params                backbone weights and BatchNorm statistics
@@ -111,7 +112,15 @@ def sampler_file(rank: int) -> str:
 
 
 def center_states(meta: dict) -> list[str]:
-    return list(meta.get("center_states", SGD_STATES))
+    """The optimizer states a checkpoint holds files of (names checked: they name files)."""
+    return [plain_name(name) for name in meta.get("center_states", SGD_STATES)]
+
+
+def plain_name(name) -> str:
+    """`name` if it is a file name meta.json may list: no directory, nothing hidden."""
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name):
+        raise ValueError(f"{name!r} is not a plain file or state name")
+    return name
 
 
 # ----- saving -----
@@ -140,6 +149,7 @@ def save(work_dir: Path, state: TrainState, net, trainer, pfc: PartialFC,
                 "num_classes": pfc.num_classes, "embedding_size": pfc.embedding_size,
                 "shards": [list(asdict(shard_of(pfc.num_classes, r, world.size)).values())
                            for r in range(world.size)],
+                "margin": {"name": pfc.margin.name, "state": pfc.margin.state_dict()},
                 "center_optimizer": pfc.centers.optimizer.name,
                 "center_states": sorted(pfc.centers.states),
                 "files": dict(sorted(table.items()))}
@@ -183,13 +193,13 @@ def refuse_non_finite(net, pfc: PartialFC, step: int, work_dir: Path) -> None:
 def write_rank_files(directory: Path, net, trainer, pfc: PartialFC,
                      world: dist.World) -> dict:
     """This rank's files, written and fsynced; {name: {"bytes", "crc32"}}."""
-    state = pfc.centers.state_dict()
-    sampler = sampler_file(world.rank)
-    files = {sampler: durable.write_file(directory / sampler, lambda f: f.write(
-        json.dumps(state.pop("sampler")).encode()))}
-    for name, array in state.items():
+    sampler = json.dumps(pfc.centers.rng.bit_generator.state).encode()
+    files = {sampler_file(world.rank): durable.write_file(
+        directory / sampler_file(world.rank), lambda f: f.write(sampler))}
+    for name, array in pfc.centers.arrays().items():  # one array on the host at a time
         files[center_file(world.rank, name)] = durable.write_file(
-            directory / center_file(world.rank, name), lambda f, array=array: np.save(f, array))
+            directory / center_file(world.rank, name),
+            lambda f, array=array: np.save(f, array.asnumpy()))
     if world.is_main:
         files[BACKBONE] = durable.written_by(directory / BACKBONE, net.save_parameters)
         files[OPTIMIZER] = durable.written_by(directory / OPTIMIZER,
@@ -279,18 +289,21 @@ def verify(checkpoint: Path, rank: int = 0, world_size: int = 1,
     try:
         meta = json.loads((checkpoint / META).read_text())
         saved_world = int(meta["world_size"])
+        if int(meta.get("format", 1)) > FORMAT:
+            return [f"{checkpoint} was written by a newer version of partial_fc_mx (format "
+                    f"{meta['format']}; this one reads up to {FORMAT})"]
         if weights_only and "files" not in meta:
             return [f"{checkpoint / name} is missing" for name in weight_files(saved_world)
                     if not (checkpoint / name).is_file()]
-        files = {str(name): (int(r["bytes"]), int(r["crc32"]))
+        files = {plain_name(name): (int(r["bytes"]), int(r["crc32"]))
                  for name, r in meta["files"].items()}
+        expected = [OPTIMIZER, BACKBONE, *(name for r in range(saved_world) for name in [
+            sampler_file(r), *(center_file(r, n) for n in ["weight", *center_states(meta)])])]
     except FileNotFoundError:
         return [f"{checkpoint / META} is missing"]
     except (ValueError, KeyError, TypeError, AttributeError) as error:
         return [f"{checkpoint / META} is damaged or from an older version ({error!r}); "
                 "an older checkpoint can be used with --load-from (weights only)"]
-    expected = [OPTIMIZER, BACKBONE, *(name for r in range(saved_world) for name in [
-        sampler_file(r), *(center_file(r, n) for n in ["weight", *center_states(meta)])])]
     problems = [f"{checkpoint / name} is not listed in meta.json" for name in expected
                 if name not in files]
     for i, (name, (size, crc)) in enumerate(sorted(files.items())):
@@ -355,6 +368,11 @@ def read_meta(checkpoint: Path, pfc: PartialFC, weights_only: bool = False) -> d
             f"{checkpoint} was trained with center_optimizer={saved!r}; this run has "
             f"center_optimizer={pfc.centers.optimizer.name!r}. Resume with {saved!r}, or "
             f"start {pfc.centers.optimizer.name!r} afresh from its weights with --load-from")
+    if not weights_only and sorted(center_states(meta)) != sorted(pfc.centers.states):
+        raise CheckpointError(
+            f"{checkpoint} holds the center states {center_states(meta)}; "
+            f"{pfc.centers.optimizer.name} keeps {sorted(pfc.centers.states)}: it is damaged "
+            "or from another version (its weights can be used with --load-from)")
     return meta
 
 
@@ -406,12 +424,15 @@ def resume(checkpoint: Path, net, trainer, pfc: PartialFC, world: dist.World,
     net.load_parameters(str(checkpoint / BACKBONE), ctx=ctx)
     load_trainer_state(trainer, checkpoint / OPTIMIZER, ctx)
     state = TrainState(**{f.name: meta[f.name] for f in dataclasses.fields(TrainState)})
+    saved_margin = meta.get("margin", {"name": "combined", "state": {}})
+    if saved_margin["name"] == pfc.margin.name:  # another margin starts its own state afresh
+        pfc.margin.load_state_dict(saved_margin["state"])
     if meta["world_size"] == world.size:
         sampler = json.loads((checkpoint / sampler_file(world.rank)).read_text())
         load_centers(checkpoint, meta, pfc, with_states=True, sampler=sampler)
     else:
         load_centers(checkpoint, meta, pfc, with_states=True)
-        pfc.centers.rng = np.random.default_rng([pfc.seed, world.rank, state.step])
+        pfc.centers.restart_sampler(pfc.seed, world.rank, state.step)
     return state
 
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .center_optimizers import CenterOptimizer
     from .data.augment import Augmentation
+    from .margins import Margin
 
 
 class ConfigError(ValueError):
@@ -67,8 +68,13 @@ class Config:
 
     # --- Partial FC ---
     sample_rate: float = 1.0
+    margin: str = "combined"
+    """The margin on the target logit, a module of partial_fc_mx/margins/: "combined"
+    (margin_list) or "adaface" (margin_options m, h, t_alpha)."""
     margin_list: tuple = (1.0, 0.5, 0.0)
     """Combined margin (m1, m2, m3): s * (cos(m1 * theta + m2) - m3). ArcFace (1, 0.5, 0)."""
+    margin_options: dict = field(default_factory=dict)
+    """Settings of a margin other than "combined", e.g. {"m": 0.4, "h": 0.333}."""
     scale: float = 64.0
     fp16_centers: bool = False
     """Store this rank's class-center shard in float16 to fit twice the classes."""
@@ -130,7 +136,6 @@ class Config:
         """Reject values that would fail later, far from their cause, or on one rank."""
         from . import center_optimizers
         from .backbones import unknown_network
-        from .losses import margin_problem
 
         positive = ("num_classes", "embedding_size", "batch_size", "lr", "num_epoch",
                     "frequent", "verbose", "center_lr_scale")
@@ -146,10 +151,10 @@ class Config:
             problems.append(f"lr={self.lr} is beyond float32 (the optimizers' precision)")
         if not 0.0 < self.sample_rate <= 1.0:
             problems.append(f"sample_rate={self.sample_rate} must be in (0, 1]")
-        if len(self.margin_list) != 3:
-            problems.append(f"margin_list={self.margin_list} must be (m1, m2, m3)")
-        elif problem := margin_problem(*self.margin_list, self.scale):
-            problems.append(f"margin_list/scale: {problem}")
+        try:
+            self.margin_function()
+        except (ValueError, TypeError) as error:  # TypeError: an option it does not take
+            problems.append(f"margin: {error}")
         if problem := unknown_network(self.network):
             problems.append(f"network: {problem}")
         if self.optimizer not in ("sgd", "adamw"):
@@ -188,6 +193,12 @@ class Config:
 
         return Augmentation(self.augment_crop_scale, self.augment_rotate, self.augment_color,
                             self.augment_blur)
+
+    def margin_function(self) -> Margin:
+        from . import margins
+
+        return margins.build(self.margin, scale=self.scale, margin_list=self.margin_list,
+                             options=self.margin_options)
 
     def centers_optimizer(self) -> CenterOptimizer:
         from . import center_optimizers

@@ -25,7 +25,8 @@ import numpy as np
 from .center_optimizers import CenterOptimizer
 from .center_optimizers.sgd import SGD
 from .centers import ClassCenters, num_sample, shard_of
-from .losses import CombinedMargin
+from .margins import Margin
+from .margins.combined import CombinedMargin
 from .sampling import sample_excluding
 
 
@@ -56,7 +57,7 @@ class PartialFC:
         world_size: int = 1,
         ctx: mx.Context | None = None,
         sample_rate: float = 1.0,
-        margin: tuple = (1.0, 0.5, 0.0),
+        margin: tuple | Margin = (1.0, 0.5, 0.0),
         scale: float = 64.0,
         momentum: float = 0.9,
         weight_decay: float = 5e-4,
@@ -66,8 +67,9 @@ class PartialFC:
         lazy_update: bool = True,
         optimizer: CenterOptimizer | None = None,
     ) -> None:
-        """`optimizer`: the centers' (center_optimizers/); by default SGD with
-        `momentum` and `weight_decay`."""
+        """`margin`: (m1, m2, m3) of the combined margin with `scale`, or a margin of
+        margins/ (which has its own scale). `optimizer`: the centers'
+        (center_optimizers/); by default SGD with `momentum` and `weight_decay`."""
         if not 0 < sample_rate <= 1:
             raise ValueError(f"sample_rate={sample_rate} must be in (0, 1]")
         if num_classes < world_size:
@@ -83,7 +85,8 @@ class PartialFC:
             lazy=lazy_update)
         self.shard = self.centers.shard
         self.num_sample = num_sample(self.shard.count, sample_rate)
-        self.margin = CombinedMargin(*margin, scale=scale)
+        self.margin = CombinedMargin(*margin, scale=scale) if isinstance(margin, tuple) \
+            else margin
         self.timer = timer or NoTimer()
         self._pending = None  # (index, sampled weights, their gradient) until step()
         self._last_rows = None  # shard rows sampled in the last step; None: all
@@ -120,13 +123,15 @@ class PartialFC:
             index, target_col = self.sample(batch.labels)
         with self.timer.phase("compute"):
             x = batch.embeddings.as_in_context(self.ctx)
-            x_norm_inv = 1 / mx.nd.norm(x, axis=1, keepdims=True)
+            x_norm = mx.nd.norm(x, axis=1, keepdims=True)
+            x_norm_inv = 1 / x_norm
             x_hat = x * x_norm_inv
+            self.margin.observe(x_norm.reshape(-1))
             w = self.centers.sampled_weights(index)
         with self.timer.phase("gemm"):
             gram = self._gram(x_hat, w)
         with self.timer.phase("compute"):
-            logits, targets, col_scale = self._logits(gram, w, target_col)
+            logits, targets, col_scale = self._logits(gram, w, x_norm, target_col)
         with self.timer.phase("communication"):
             row_max = hvd.allreduce(logits.max(axis=1), op=hvd.Max, name="pfc.max")
         with self.timer.phase("compute"):
@@ -247,14 +252,15 @@ class PartialFC:
         with mx.autograd.record():
             return mx.nd.FullyConnected(x_hat, w, num_hidden=w.shape[0], no_bias=True)
 
-    def _logits(self, gram, w, target_col: np.ndarray) -> tuple:
+    def _logits(self, gram, w, x_norm, target_col: np.ndarray) -> tuple:
         """Scaled cosines with the margin on the targets in this shard."""
         col_scale = self.margin.scale / mx.nd.sqrt(row_sums(mx.nd.square(w)))  # s / |w_j|
         logits = mx.nd.broadcast_mul(gram, col_scale.reshape((1, -1)))
         targets = Targets.of(target_col, self.ctx)
         if targets.rows is not None:
             cos = mx.nd.gather_nd(logits, targets.where) / self.margin.scale
-            targets.logits, targets.slopes = self.margin(cos)
+            norms = mx.nd.take(x_norm.reshape(-1), targets.rows)
+            targets.logits, targets.slopes = self.margin(cos, norms)
             set_entries(logits, targets.where, targets.logits)
         return logits, targets, col_scale
 

@@ -176,7 +176,7 @@ def start(config: Config, resume_from: str | None, load_from: str | None) -> Run
         net = build_backbone(config, ctx)
         pfc = PartialFC(config.num_classes, config.embedding_size, rank=world.rank,
                         world_size=world.size, ctx=ctx, sample_rate=config.sample_rate,
-                        margin=tuple(config.margin_list), scale=config.scale,
+                        margin=config.margin_function(),
                         fp16_centers=config.fp16_centers, seed=config.seed,
                         lazy_update=config.center_lazy_update,
                         optimizer=config.centers_optimizer())

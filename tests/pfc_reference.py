@@ -29,11 +29,51 @@ def margin_slope(cos: np.ndarray, m1: float, m2: float, m3: float, s: float) -> 
     return s * np.where(on_arc, arc, 1.0)
 
 
+class AdaFace:
+    """AdaFace's target logit in float64 (margins/adaface.py), the statistics kept as
+    the authors' code keeps them: EMA of the clipped norms' mean and unbiased std."""
+
+    EPS = 1e-3
+
+    def __init__(self, s, m, h, t_alpha, mean, std):
+        self.s, self.m, self.h, self.t_alpha, self.mean, self.std = s, m, h, t_alpha, mean, std
+
+    def observe(self, norms):
+        safe = np.clip(np.asarray(norms, np.float64), 0.001, 100)
+        self.mean = self.t_alpha * safe.mean() + (1 - self.t_alpha) * self.mean
+        self.std = self.t_alpha * safe.std(ddof=1) + (1 - self.t_alpha) * self.std
+
+    def z(self, norms):
+        safe = np.clip(norms, 0.001, 100)
+        return np.clip(self.h * (safe - self.mean) / (self.std + self.EPS), -1, 1)
+
+    def theta_m(self, cos, norms):
+        theta = np.arccos(np.clip(cos, -1 + self.EPS, 1 - self.EPS))
+        return theta, np.clip(theta - self.m * self.z(norms), self.EPS, math.pi - self.EPS)
+
+    def logit(self, cos, norms):
+        _, theta_m = self.theta_m(cos, norms)
+        return self.s * (np.cos(theta_m) - self.m * (1 + self.z(norms)))
+
+    def slope(self, cos, norms):
+        theta, theta_m = self.theta_m(cos, norms)
+        free = (np.abs(cos) < 1 - self.EPS) & (theta_m > self.EPS) & (theta_m < math.pi - self.EPS)
+        return self.s * np.where(free, np.sin(theta_m) / np.sin(theta), 0.0)
+
+
+def target_logit_and_slope(margin, s, cos, norms):
+    """`margin`: (m1, m2, m3) of the combined margin, or a float64 margin object."""
+    if isinstance(margin, tuple):
+        return margin_logit(cos, *margin, s), margin_slope(cos, *margin, s)
+    return margin.logit(cos, norms), margin.slope(cos, norms)
+
+
 def loss_and_grads(x, labels, weight, margin, s, columns=None):
     """Mean margin cross-entropy over the classes in `columns` (all by default).
 
     Returns (loss, d loss / d x, d loss / d weight) in float64; rows of `weight`
-    outside `columns` get zero gradient.
+    outside `columns` get zero gradient. The margin's norms are constants, as in
+    AdaFace (no gradient flows through them).
     """
     x, weight = np.asarray(x, np.float64), np.asarray(weight, np.float64)
     columns = np.arange(len(weight)) if columns is None else np.asarray(columns)
@@ -46,7 +86,9 @@ def loss_and_grads(x, labels, weight, margin, s, columns=None):
     target = np.searchsorted(columns, labels)
     assert (columns[target] == labels).all(), "every label must be among the columns"
     logits = s * cos
-    logits[rows, target] = margin_logit(cos[rows, target], *margin, s)
+    target_logits, target_slopes = target_logit_and_slope(margin, s, cos[rows, target],
+                                                          x_norm[:, 0])
+    logits[rows, target] = target_logits
     logits -= logits.max(axis=1, keepdims=True)
     prob = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
     loss = -np.log(prob[rows, target]).mean()
@@ -54,7 +96,7 @@ def loss_and_grads(x, labels, weight, margin, s, columns=None):
     grad_logits[rows, target] -= 1
     grad_logits /= len(x)
     grad_cos = s * grad_logits
-    grad_cos[rows, target] = grad_logits[rows, target] * margin_slope(cos[rows, target], *margin, s)
+    grad_cos[rows, target] = grad_logits[rows, target] * target_slopes
     grad_x_hat, grad_w_hat = grad_cos @ w_hat, grad_cos.T @ x_hat
     grad_x = (grad_x_hat - x_hat * (x_hat * grad_x_hat).sum(1, keepdims=True)) / x_norm
     grad_w = (grad_w_hat - w_hat * (w_hat * grad_w_hat).sum(1, keepdims=True)) / w_norm

@@ -7,6 +7,7 @@ and compares with the float64 full-softmax reference in pfc_reference.py. It pri
     python tests/pfc_worker.py CASE      (CASE: exact, unequal, sampled, dense-sampled,
                                           fp16, fp16-sampled, bf16, adamw, adamw-sampled,
                                           adamw-fp16-sampled, adamw-dense-sampled,
+                                          adaface, adaface-sampled, adaface-unequal,
                                           bad-label, nonfinite, width, loss-scale)
 """
 
@@ -20,10 +21,12 @@ import mxnet as mx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pfc_reference import AdaFace as ReferenceAdaFace  # noqa: E402
 from pfc_reference import adamw, loss_and_grads, sgd_momentum  # noqa: E402
 
 from partial_fc_mx.center_optimizers.adamw import AdamW  # noqa: E402
 from partial_fc_mx.center_optimizers.sgd import SGD  # noqa: E402
+from partial_fc_mx.margins.adaface import AdaFace  # noqa: E402
 from partial_fc_mx.partial_fc import PartialFC, PartialFCInputError  # noqa: E402
 
 LR, MU, WD = 0.5, 0.9, 5e-4
@@ -45,6 +48,19 @@ def problem(seed, world, num_classes, dim, batch_sizes):
     labels = rng.integers(0, num_classes, total)
     offsets = np.concatenate([[0], np.cumsum(batch_sizes)])
     return x, labels, offsets
+
+
+def margins(case: str) -> tuple:
+    """(PartialFC's margin, the reference's, scale). AdaFace starts from statistics near
+    the test's norms (about 4.9 +- 0.7) and follows them fast (t_alpha 0.5); with h = 1
+    its quality z spreads over [-1, 1], clipped at both ends for some rows (checked)."""
+    scale = 30.0
+    if "adaface" not in case:
+        return (1.0, 0.5, 0.0), (1.0, 0.5, 0.0), scale
+    m, h, t_alpha, mean, std = 0.4, 1.0, 0.5, 5.0, 0.4
+    margin = AdaFace(scale, m=m, h=h, t_alpha=t_alpha)
+    margin.load_state_dict({"mean": mean, "std": std})
+    return margin, ReferenceAdaFace(scale, m, h, t_alpha, mean, std), scale
 
 
 def center_optimizer(case: str):
@@ -71,8 +87,8 @@ def run_steps(case: str, rank: int, world: int) -> dict:
     lazy = "dense" not in case  # dense: every row's states and decay, every step
     num_classes, dim = (400, 24) if sampled else (53, 24)
     sample_rate = 0.2 if sampled else 1.0
-    batch_sizes = [4 + r for r in range(world)] if case == "unequal" else [5] * world
-    margin, scale = (1.0, 0.5, 0.0), 30.0
+    batch_sizes = [4 + r for r in range(world)] if "unequal" in case else [5] * world
+    margin, reference_margin, scale = margins(case)
     optimizer, lr, reference_update, start_states = center_optimizer(case)
     rng = np.random.default_rng(1)
     weight = rng.normal(size=(num_classes, dim)).astype(np.float32)
@@ -104,7 +120,16 @@ def run_steps(case: str, rank: int, world: int) -> dict:
         pfc.step(lr)
         assert grad.dtype == local_x.dtype and grad.shape == local_x.shape
         sampled = np.sort(np.concatenate(hvd.allgather_object(pfc.sampled_classes)))
-        ref_loss, ref_gx, ref_gw = loss_and_grads(x, labels, ref_w, margin, scale, sampled)
+        if "adaface" in case:  # the batch statistics, then the margin that uses them
+            reference_margin.observe(np.linalg.norm(x.astype(np.float64), axis=1))
+            kept = pfc.margin.state_dict()
+            errors["statistics"] = max(errors.get("statistics", 0.0), rel(
+                [kept["mean"], kept["std"]], [reference_margin.mean, reference_margin.std]))
+            z = reference_margin.z(np.linalg.norm(x.astype(np.float64), axis=1))
+            for name, rows in (("z=-1", z == -1), ("z=1", z == 1), ("|z|<1", abs(z) < 1)):
+                errors[name] = errors.get(name, 0) + int(rows.sum())
+        ref_loss, ref_gx, ref_gw = loss_and_grads(x, labels, ref_w, reference_margin, scale,
+                                                  sampled)
         updated = sampled if lazy else np.arange(num_classes)
         new_w, new_states = reference_update(ref_w, ref_states, ref_gw, updated)
         got = pfc.centers.state_dict()
@@ -189,9 +214,11 @@ def main() -> None:
     center_limit = ROUNDING["fp16"] if "fp16" in case else TOLERANCE  # float16 storage
     errors = run_steps(case, rank, world)
     limits = {"loss": TOLERANCE, "grad": grad_limit, "weight": center_limit,
+              "statistics": TOLERANCE,
               "update": 100 * center_limit, "state_steps": 0.0,  # counts are exact
               **{k: center_limit for k in errors if k.startswith("state_") and k != "state_steps"}}
     failed = {k: v for k, v in errors.items() if k in limits and not v <= limits[k]}
+    failed.update({k: v for k, v in errors.items() if k.startswith(("z=", "|z|")) and v == 0})
     report = " ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}"
                       for k, v in errors.items())
     if failed:

@@ -253,6 +253,39 @@ def test_a_resume_keeps_the_centers_optimizer_and_reads_the_second_format_as_sgd
     assert sorted(log["losses"]) == [5, 6, 7, 8]  # 2 steps of 48 images, on 1 process
 
 
+@pytest.mark.parametrize("field, value, problem", [
+    ("center_states", ["../../outside"], "is not a plain file or state name"),
+    ("center_states", None, "damaged or from an older version"),
+    ("files", {"/etc/passwd": {"bytes": 1, "crc32": 0}}, "is not a plain file or state name"),
+    ("format", 99, "was written by a newer version of partial_fc_mx (format 99"),
+])
+def test_a_crafted_meta_json_names_no_file_outside_and_is_skipped(tmp_path, trained, field,
+                                                                 value, problem):
+    work = copy_of(trained, tmp_path)
+    saved = work / "checkpoints" / "step_000004"
+    meta = json.loads((saved / "meta.json").read_text())
+    meta[field] = value
+    (saved / "meta.json").write_text(json.dumps(meta))
+    problems = checkpoint.verify(saved)
+    assert len(problems) == 1 and problem in problems[0], problems
+
+
+def test_a_resume_needs_the_states_its_optimizer_keeps(tmp_path, synthetic, trained):
+    """An SGD checkpoint whose meta.json lists no momentum would resume with the
+    momentum silently zeroed: refused, on every rank, naming the states."""
+    work = copy_of(trained, tmp_path)
+    saved = work / "checkpoints" / "step_000004"
+    meta = json.loads((saved / "meta.json").read_text())
+    meta["center_states"] = []
+    (saved / "meta.json").write_text(json.dumps(meta))
+    result = mpirun(2, train_args(config_file(tmp_path, synthetic, max_steps=6),
+                                  tmp_path / "resumed", "--resume-from", str(saved)),
+                    timeout=300)
+    assert result.returncode != 0
+    message = f"{saved} holds the center states []; sgd keeps ['mom']"
+    assert result.stdout.count(message) >= 2, result.stdout[-3000:]  # rank 0 and rank 1
+
+
 def test_a_new_run_moves_an_earlier_runs_checkpoints_aside(tmp_path, synthetic, trained):
     work = copy_of(trained, tmp_path)
     config = config_file(tmp_path, synthetic, name="again.py", max_steps=1, save_every=1)

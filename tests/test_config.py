@@ -60,12 +60,30 @@ def test_unknown_keys_are_rejected_with_a_suggestion(tmp_path):
     ("margin_list=(1.0, 0.5)", "must be .m1, m2, m3."),
     ("optimizer='adam'", "'sgd' or 'adamw'"),
     ("center_optimizer='adam'", r"center_optimizer='adam' must be one of \['adamw', 'sgd'\]"),
+    ("margin='arcface'", r"margin='arcface' must be one of \['adaface', 'combined'\]"),
+
     ("keep_checkpoints=0", "keep_checkpoints must be >= 1"),
 ])
 def test_invalid_values_are_rejected(tmp_path, override, message):
     path = write(tmp_path / "c.py", "num_classes = 10\n")
     with pytest.raises(ConfigError, match=message):
         load_config(path, [override])
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"m": 0.3, "h": 0.5}, None),
+    ({"m": 2.0}, "need scale > 0, 0 <= m < pi/2"),
+    ({"margin": 0.4}, "unexpected keyword argument 'margin'"),
+])
+def test_adaface_takes_its_settings_from_margin_options(tmp_path, options, message):
+    path = write(tmp_path / "c.py", f"num_classes = 10\nmargin = 'adaface'\n"
+                                    f"margin_options = {options!r}\nscale = 32.0\n")
+    if message:
+        with pytest.raises(ConfigError, match=message):
+            load_config(path)
+        return
+    margin = load_config(path).margin_function()
+    assert (margin.name, margin.scale, margin.m, margin.h) == ("adaface", 32.0, 0.3, 0.5)
 
 
 def test_the_center_optimizer_takes_the_settings_it_has(tmp_path):

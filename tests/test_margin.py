@@ -1,4 +1,5 @@
-"""The combined margin: values, continuity past pi, and slopes by finite differences."""
+"""The margins: values against their definitions, continuity past pi, slopes by finite
+differences; AdaFace's batch statistics."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import math
 import mxnet as mx
 import numpy as np
 import pytest
+from pfc_reference import AdaFace as ReferenceAdaFace
 from pfc_reference import margin_logit
 
-from partial_fc_mx.losses import CombinedMargin
+from partial_fc_mx.margins.adaface import AdaFace
+from partial_fc_mx.margins.combined import CombinedMargin
 
 MARGINS = {
     "arcface": (1.0, 0.5, 0.0),
@@ -73,3 +76,71 @@ def test_aligned_vector_gets_a_finite_gradient():
 def test_invalid_margins_are_refused(bad):
     with pytest.raises(ValueError, match="ArcFace: 1, 0.5, 0"):
         CombinedMargin(*bad, scale=64.0)
+
+
+def adaface_with(mean: float, std: float, **settings) -> AdaFace:
+    margin = AdaFace(32.0, **settings)
+    margin.load_state_dict({"mean": mean, "std": std})
+    return margin
+
+
+def adaface_probe() -> tuple:
+    """Every pair of angles over (0, pi) and norms giving every quality z (clipped at -1
+    and 1 too), so theta - m z is clipped near 0 and near pi for some of them."""
+    thetas = np.linspace(0.013, math.pi - 0.013, 41)
+    norms = np.linspace(2.0, 38.0, 9)  # z = 0.333 (n - 20) / 5
+    theta_grid, norm_grid = np.meshgrid(thetas, norms)
+    return np.cos(theta_grid.ravel()), norm_grid.ravel()
+
+
+def evaluate_adaface(margin: AdaFace, cos: np.ndarray, norms: np.ndarray):
+    value, slope = margin(mx.nd.array(cos, dtype="float64"), mx.nd.array(norms, dtype="float64"))
+    return value.asnumpy(), slope.asnumpy()
+
+
+def test_adaface_values_follow_the_definition():
+    cos, norms = adaface_probe()
+    margin = adaface_with(20.0, 5.0)
+    reference = ReferenceAdaFace(32.0, 0.4, 0.333, 0.01, 20.0, 5.0)
+    value, slope = evaluate_adaface(margin, cos, norms)
+    # rtol 1e-6, not 1e-9: MXNet's clip takes its bounds (1 - eps, ...) as float32
+    np.testing.assert_allclose(value, reference.logit(cos, norms), rtol=1e-6)
+    np.testing.assert_allclose(slope, reference.slope(cos, norms), rtol=1e-6)
+    z = reference.z(norms)
+    assert (z == -1).any() and (z == 1).any() and (abs(z) < 1).any()
+    shifted = np.arccos(cos) - 0.4 * z
+    assert (shifted < 1e-3).any() and (shifted > math.pi - 1e-3).any()
+    assert (slope == 0).sum() > 0  # where a clip holds
+    # the ends: a poor image gets ArcFace's margin, a good one 2m additive and -m angular
+    theta = np.arccos(0.5)
+    low, high = evaluate_adaface(margin, np.array([0.5, 0.5]), np.array([1.0, 99.0]))[0]
+    assert abs(low - 32.0 * math.cos(theta + 0.4)) < 1e-9
+    assert abs(high - 32.0 * (math.cos(theta - 0.4) - 0.8)) < 1e-9
+
+
+def test_adaface_slopes_match_finite_differences():
+    cos, norms = adaface_probe()
+    margin = adaface_with(20.0, 5.0)
+    h = 1e-7
+    numeric = (evaluate_adaface(margin, cos + h, norms)[0]
+               - evaluate_adaface(margin, cos - h, norms)[0]) / (2 * h)
+    np.testing.assert_allclose(evaluate_adaface(margin, cos, norms)[1], numeric,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_adaface_statistics_are_moving_averages_of_the_batch():
+    margin = AdaFace(64.0, t_alpha=0.1)
+    norms = np.array([10.0, 14.0, 300.0])  # 300 is clipped to 100 first
+    margin.observe(mx.nd.array(norms))
+    safe = np.clip(norms, 0.001, 100)
+    expected = {"mean": 0.1 * safe.mean() + 0.9 * 20, "std": 0.1 * safe.std(ddof=1) + 0.9 * 100}
+    assert margin.state_dict() == pytest.approx(expected, rel=1e-12)
+    again = AdaFace(64.0, t_alpha=0.1)
+    again.load_state_dict(margin.state_dict())
+    assert again.state_dict() == margin.state_dict()
+
+
+@pytest.mark.parametrize("settings", [{"m": -0.1}, {"h": 0}, {"t_alpha": 0}, {"t_alpha": 1.5}])
+def test_invalid_adaface_settings_are_refused(settings):
+    with pytest.raises(ValueError, match="the paper: m=0.4, h=0.333"):
+        AdaFace(64.0, **settings)

@@ -52,6 +52,9 @@ def assert_every_rank_passed(result, world: int, case: str):
     ("horovodrun", 3, "adamw-sampled"),
     ("mpirun", 2, "adamw-fp16-sampled"),  # float16 centers, float32 moments
     ("mpirun", 2, "adamw-dense-sampled"),  # lazy_update=False: every row, every step
+    ("python", 1, "adaface"),         # AdaFace: global-batch norm statistics, W = 1, 2, 3
+    ("horovodrun", 2, "adaface-sampled"),
+    ("mpirun", 3, "adaface-unequal"),
     ("python", 1, "loss-scale"),      # the fp16 loss scale is applied before the cast
     ("mpirun", 2, "loss-scale"),
 ])

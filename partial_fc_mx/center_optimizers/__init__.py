@@ -1,19 +1,19 @@
 """How the class centers learn: one module per optimizer, chosen by config.
 
-`center_optimizer = "adamw"` in a config loads center_optimizers/adamw.py and uses
-its OPTIMIZER class. An optimizer declares the states it keeps, each an array with
+`center_optimizer = "adamw"` in a config loads center_optimizers/adamw.py and calls
+its build(). An optimizer declares the states it keeps, each an array with
 one row per center (`states`), and updates the rows one step sampled (`update`);
 ClassCenters (centers.py) owns the arrays, checkpoints save every state under its
 own name and re-sharding cuts them all alike. Adding an optimizer is one module
-here with its OPTIMIZER, its test, and the config line.
+here with its class and build(), its test, and the config line.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
-import pkgutil
+import sys
 from typing import TYPE_CHECKING, Protocol
+
+from .. import plugins
 
 if TYPE_CHECKING:  # no MXNet for config validation
     import mxnet as mx
@@ -35,16 +35,11 @@ class CenterOptimizer(Protocol):
 
 
 def available() -> list[str]:
-    """The optimizers a config may name: the modules of this package."""
-    return sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
+    return plugins.names(sys.modules[__name__])
 
 
-def build(name: str, **settings) -> CenterOptimizer:
-    """The optimizer `name`, given the settings it has fields for among `settings` (the
-    config's momentum and weight_decay, shared with the backbone's optimizer)."""
-    if name not in available():
-        raise ValueError(f"center_optimizer={name!r} is not one of {available()}")
-    cls = importlib.import_module(f"{__name__}.{name}").OPTIMIZER
-    fields = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{key: value for key, value in settings.items() if key in fields})
-
+def build(name: str, *, momentum: float = 0.9, weight_decay: float = 5e-4) -> CenterOptimizer:
+    """The optimizer `name`, from the config's momentum and weight_decay (shared with
+    the backbone's optimizer; each module's build takes those it uses)."""
+    module = plugins.load(sys.modules[__name__], "center_optimizer", name)
+    return module.build(momentum=momentum, weight_decay=weight_decay)

@@ -21,9 +21,12 @@ The count is float32 too: exact up to 2^24 updates of a row.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import mxnet as mx
+
+if TYPE_CHECKING:
+    from ..centers import ClassCenters
 
 
 @dataclass(frozen=True)
@@ -38,10 +41,13 @@ class AdamW:
         return {"mean": (embedding_size, "float32"), "var": (embedding_size, "float32"),
                 "steps": (1, "float32")}
 
-    def update(self, centers, index, w, grad, lr: float) -> None:
+    def update(self, centers: ClassCenters, index: mx.nd.NDArray | None, w: mx.nd.NDArray,
+               grad: mx.nd.NDArray, lr: float) -> None:
+        index, w, grad = centers.every_row(index, w, grad)
         centers.apply(index, w, lambda w, states: self.rule(w, grad, states, lr))
 
     def rule(self, w: mx.nd.NDArray, grad: mx.nd.NDArray, states: dict, lr: float) -> None:
+        """The update above on float32 rows w and their states, in place."""
         b1, b2 = self.beta1, self.beta2
         steps, mean, var = states["steps"], states["mean"], states["var"]
         steps += 1
@@ -53,4 +59,6 @@ class AdamW:
                                                                     + self.epsilon)
 
 
-OPTIMIZER = AdamW
+def build(momentum: float, weight_decay: float) -> AdamW:
+    """`momentum` is SGD's; AdamW's betas are its own (as for the backbone's AdamW)."""
+    return AdamW(weight_decay=weight_decay)

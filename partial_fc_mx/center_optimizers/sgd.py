@@ -5,9 +5,12 @@ and weight decay act when it is sampled)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import mxnet as mx
+
+if TYPE_CHECKING:
+    from ..centers import ClassCenters
 
 
 @dataclass(frozen=True)
@@ -21,19 +24,22 @@ class SGD:
         insightface's file name)."""
         return {"mom": (embedding_size, center_dtype)}
 
-    def update(self, centers, index, w, grad, lr: float) -> None:
-        """float32 shards use MXNet's lazy row-sparse update, which touches exactly the
+    def update(self, centers: ClassCenters, index: mx.nd.NDArray | None, w: mx.nd.NDArray,
+               grad: mx.nd.NDArray, lr: float) -> None:
+        """float32 shards use MXNet's row-sparse update: lazy, it touches exactly the
         sampled rows of the weights and momentum in place (no gather or scatter);
+        otherwise (centers.lazy False) every row, with no dense gradient built.
         float16 shards are updated in float32 and stored back rounded."""
         options = dict(lr=lr, momentum=self.momentum, wd=self.weight_decay)
         if index is not None and centers.dtype == "float32":
             rows = mx.nd.sparse.row_sparse_array((grad, index), shape=centers.weight.shape,
                                                  ctx=centers.ctx)
-            mx.nd.sgd_mom_update(centers.weight, rows, centers.states["mom"], lazy_update=True,
-                                 out=centers.weight, **options)
+            mx.nd.sgd_mom_update(centers.weight, rows, centers.states["mom"],
+                                 lazy_update=centers.lazy, out=centers.weight, **options)
             return
         centers.apply(index, w, lambda w, states: mx.nd.sgd_mom_update(
             w, grad, states["mom"], out=w, **options))
 
 
-OPTIMIZER = SGD
+def build(momentum: float, weight_decay: float) -> SGD:
+    return SGD(momentum=momentum, weight_decay=weight_decay)

@@ -3,7 +3,8 @@
 ArcFace is (1, 0.5, 0), CosFace (1, 0, 0.35..0.4), SphereFace-like m1 > 1, and any
 combination. Only the target entry of each row changes, so the margin works on a
 vector of target cosines and hands back the new logits and their slopes; the
-Partial FC layer applies both to its logit matrix.
+Partial FC layer applies both to its logit matrix. It ignores the norms and keeps
+no state.
 
 Past theta_max = (pi - m2) / m1 the angle m1 * theta + m2 would wrap around pi and
 the "penalty" would start rewarding wrong answers. There the target logit continues
@@ -31,6 +32,8 @@ def margin_problem(m1: float, m2: float, m3: float, scale: float) -> str | None:
 
 
 class CombinedMargin:
+    name = "combined"
+
     def __init__(self, m1: float, m2: float, m3: float, scale: float) -> None:
         if problem := margin_problem(m1, m2, m3, scale):
             raise ValueError(problem)
@@ -38,7 +41,17 @@ class CombinedMargin:
         self.theta_max = (math.pi - m2) / m1
         self.additive_cosine = m1 == 1 and m2 == 0
 
-    def __call__(self, cos: mx.nd.NDArray) -> tuple[mx.nd.NDArray, mx.nd.NDArray]:
+    def observe(self, norms: mx.nd.NDArray) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def __call__(self, cos: mx.nd.NDArray,
+                 norms: mx.nd.NDArray | None = None) -> tuple[mx.nd.NDArray, mx.nd.NDArray]:
         """Target logits and d(logit)/d(cos) for a vector of target cosines."""
         s = self.scale
         if self.additive_cosine:  # CosFace: a shift; no arccos, slope exactly s
@@ -54,3 +67,9 @@ class CombinedMargin:
         arc_slope = self.m1 * mx.nd.sin(angle) / mx.nd.sin(theta) * inside
         slope = mx.nd.where(on_arc, arc_slope, mx.nd.ones_like(cos))
         return s * value, s * slope
+
+
+def build(scale: float, margin_list: tuple) -> CombinedMargin:
+    if len(margin_list) != 3:
+        raise ValueError(f"margin_list={margin_list} must be (m1, m2, m3)")
+    return CombinedMargin(*margin_list, scale=scale)

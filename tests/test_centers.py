@@ -1,0 +1,93 @@
+"""ClassCenters: its state as a unit, and the optimizers' storage paths, in-process."""
+
+from __future__ import annotations
+
+import mxnet as mx
+import numpy as np
+import pytest
+
+from partial_fc_mx.center_optimizers.adamw import AdamW
+from partial_fc_mx.center_optimizers.sgd import SGD
+from partial_fc_mx.centers import ClassCenters, estimate_memory, shard_of
+from partial_fc_mx.precision import all_finite
+
+
+def centers(optimizer=None, dtype="float32", lazy=True, rows=50, rank=1, world=3):
+    return ClassCenters(shard_of(rows * world, rank, world), 8, optimizer or SGD(),
+                        ctx=mx.cpu(), dtype=dtype, seed=3, rank=rank, lazy=lazy)
+
+
+def test_state_dict_round_trips_every_array_and_the_sampler():
+    source = centers(AdamW())
+    rng = np.random.default_rng(0)
+    source.load_state_dict({"weight": rng.normal(size=(50, 8)), "mean": rng.normal(size=(50, 8)),
+                            "var": rng.random((50, 8)), "steps": rng.integers(0, 9, (50, 1))})
+    source.rng.integers(0, 10, 5)  # move the stream on
+    state = source.state_dict()
+    assert sorted(state) == ["mean", "sampler", "steps", "var", "weight"]
+    copy = centers(AdamW())
+    copy.load_state_dict(state)
+    again = copy.state_dict()
+    for name in ("weight", "mean", "var", "steps"):
+        assert again[name].tobytes() == state[name].tobytes(), name
+    assert copy.rng.integers(0, 10**9, 4).tolist() == source.rng.integers(0, 10**9, 4).tolist()
+
+
+def test_a_state_left_out_starts_at_zero_and_bad_states_are_refused():
+    target = centers(SGD())
+    target.states["mom"] += 1
+    target.load_state_dict({"weight": np.ones((50, 8))})  # --load-from: weights only
+    assert not target.states["mom"].asnumpy().any()
+    with pytest.raises(ValueError, match="expected weight, sampler and the sgd states"):
+        target.load_state_dict({"weight": np.ones((50, 8)), "mean": np.ones((50, 8))})
+    with pytest.raises(ValueError, match="expected weight"):
+        target.load_state_dict({"mom": np.ones((50, 8))})
+    with pytest.raises(ValueError, match=r"mom shard has shape \(49, 8\), this rank expects"):
+        target.load_state_dict({"weight": np.ones((50, 8)), "mom": np.ones((49, 8))})
+
+
+@pytest.mark.parametrize("lazy", [True, False])
+def test_sgd_is_mxnets_row_sparse_update_bit_for_bit(lazy):
+    """The float32 path is exactly MXNet's sgd_mom_update (lazy or not), as before the
+    centers became pluggable; the float64 tests only bound it to 1e-5."""
+    subject = centers(SGD(momentum=0.9, weight_decay=5e-4), lazy=lazy)
+    rng = np.random.default_rng(1)
+    subject.load_state_dict({"weight": rng.normal(size=(50, 8)), "mom": rng.normal(size=(50, 8))})
+    weight, momentum = subject.weight.copy(), subject.states["mom"].copy()
+    index = mx.nd.array([2, 7, 30], dtype="int64")
+    grad = mx.nd.array(rng.normal(size=(3, 8)))
+    subject.update(index, subject.sampled_weights(index), grad, 0.1)
+    sparse = mx.nd.sparse.row_sparse_array((grad, index), shape=(50, 8))
+    mx.nd.sgd_mom_update(weight, sparse, momentum, lr=0.1, momentum=0.9, wd=5e-4,
+                         lazy_update=lazy, out=weight)
+    assert subject.weight.asnumpy().tobytes() == weight.asnumpy().tobytes()
+    assert subject.states["mom"].asnumpy().tobytes() == momentum.asnumpy().tobytes()
+
+
+def test_float16_centers_keep_float32_adamw_moments():
+    subject = centers(AdamW(), dtype="float16")
+    assert subject.weight.dtype == np.float16
+    assert {name: state.dtype for name, state in subject.states.items()} == {
+        "mean": np.float32, "var": np.float32, "steps": np.float32}
+    index = mx.nd.array([0, 4], dtype="int64")
+    grad = mx.nd.array(np.full((2, 8), 1e-5))  # g^2 = 1e-10: zero in float16
+    subject.update(index, subject.sampled_weights(index), grad, 1e-3)
+    assert (subject.states["var"].asnumpy()[[0, 4]] > 0).all()
+    assert subject.states["steps"].asnumpy()[:, 0].tolist() == [1, 0, 0, 0, 1] + [0] * 45
+
+
+def test_memory_estimate_counts_every_state():
+    sgd = estimate_memory(1000, 512, 1, 0, 0.1, 64)
+    adamw = estimate_memory(1000, 512, 1, 0, 0.1, 64, optimizer=AdamW())
+    fp16 = estimate_memory(1000, 512, 1, 0, 0.1, 64, fp16_centers=True, optimizer=AdamW())
+    assert sgd.centers == 1000 * 512 * 4 * 2
+    assert adamw.centers == 1000 * (512 * 4 * 3 + 4)
+    assert fp16.centers == 1000 * (512 * 2 + 512 * 4 * 2 + 4)
+
+
+def test_all_finite_checks_each_dtype():
+    half = mx.nd.array([1.0, np.nan]).astype("float16")
+    full = mx.nd.ones(3)
+    assert all_finite([full, mx.nd.ones(2).astype("float16")])
+    assert not all_finite([full, half])
+    assert not all_finite([mx.nd.array([np.inf]), half.astype("float32")])
