@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -15,6 +17,18 @@ def report(error: Exception) -> None:
     """One write per message: under mpirun the ranks' lines then never interleave."""
     sys.stderr.write(f"error: {error}\n")
     sys.stderr.flush()
+
+
+PEER_REPORT_SECONDS = 3.0
+LAUNCHER_WORLD_SIZE = ("OMPI_COMM_WORLD_SIZE", "HOROVOD_SIZE", "PMI_SIZE")
+
+
+def let_peers_report() -> None:
+    """A bad config fails every rank alike, before any collective; but a launcher ends
+    the job at the first exit, and a rank still importing MXNet would be killed
+    before it said why. Under a launcher of several processes, wait a moment first."""
+    if any(int(os.environ.get(name, "1")) > 1 for name in LAUNCHER_WORLD_SIZE):
+        time.sleep(PEER_REPORT_SECONDS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     onnx_check.add_argument("--runs", type=int, default=20)
     onnx_check.add_argument("--max-mb", type=float, default=0.0, help="size budget")
     onnx_check.add_argument("--max-ms", type=float, default=0.0, help="latency budget")
-    plot = commands.add_parser("plot", help="PNG curves from WORK_DIR/training.log; several "
+    plot = commands.add_parser("plot", help="PNG curves from WORK_DIR/metrics.jsonl; several "
                                             "work dirs are compared on the same figures")
     plot.add_argument("work_dirs", nargs="+", metavar="work_dir")
     plot.add_argument("--out", help="where the PNGs go (default: WORK_DIR/plots for one "
@@ -149,6 +163,7 @@ def config_command(args: argparse.Namespace) -> int:
         config = load_config(args.config, overrides)
     except ConfigError as error:
         report(error)
+        let_peers_report()
         return 2
     if args.command == "check":
         from .check import run_check

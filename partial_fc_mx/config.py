@@ -154,7 +154,8 @@ class Config:
         try:
             self.margin_function()
         except (ValueError, TypeError) as error:  # TypeError: an option it does not take
-            problems.append(f"margin: {error}")
+            keys = "margin_list/scale" if self.margin == "combined" else "margin"
+            problems.append(f"{keys}: {error}")
         if problem := unknown_network(self.network):
             problems.append(f"network: {problem}")
         if self.optimizer not in ("sgd", "adamw"):

@@ -1,51 +1,15 @@
-"""`python -m partial_fc_mx plot WORK_DIR [WORK_DIR ...]`: training.log as pictures.
+"""`python -m partial_fc_mx plot WORK_DIR [WORK_DIR ...]`: metrics.jsonl as pictures.
 
-Writes loss.png, learning_rate.png, speed.png and verification.png, from the lines
-the trainer logs (no TensorBoard needed); several work dirs share each figure.
+Writes loss.png, learning_rate.png, speed.png and verification.png, from the records
+the trainer writes (no TensorBoard needed); several work dirs share each figure.
 """
 
 from __future__ import annotations
 
-import re
-from collections import defaultdict
 from pathlib import Path
-from typing import NamedTuple
 
 from .data.recordio import DataError
-
-STEP_LINE = re.compile(r"Speed ([\d.]+) samples/sec\s+Loss ([\d.naninf]+)\s+LearningRate "
-                       r"([\d.e-]+)\s+Epoch: (\d+)\s+Global Step: (\d+).*?(?:Images: (\d+))?$")
-EVAL_LINE = re.compile(r"\[([^\]]+)\]\[(\d+)\]Accuracy-Flip: ([\d.]+)\+-([\d.]+)(.*)")
-TAR = re.compile(r"TAR@FAR=([\d.e+-]+): ([\d.]+)")
-
-
-class Evaluation(NamedTuple):
-    step: int
-    accuracy: float
-    std: float
-    """Over the ten folds."""
-    tar_at_far: dict
-    """{FAR: TAR} where the set has enough impostor pairs."""
-
-
-def read_log(path: Path) -> dict:
-    """{"step": [...], "loss": [...], "learning_rate": [...], "speed": [...],
-    "images": [...], "verification": {name: [Evaluation]}} from a training.log."""
-    series: dict = {"step": [], "loss": [], "learning_rate": [], "speed": [], "images": [],
-                    "verification": defaultdict(list)}
-    for line in path.read_text().splitlines():
-        if match := STEP_LINE.search(line):
-            speed, loss, lr, _, step, images = match.groups()
-            for key, value in (("step", int(step)), ("loss", float(loss)),
-                               ("learning_rate", float(lr)), ("speed", float(speed)),
-                               ("images", int(images or 0))):
-                series[key].append(value)
-        elif match := EVAL_LINE.search(line):
-            name, step, accuracy, std, rest = match.groups()
-            tars = {float(far): float(tar) for far, tar in TAR.findall(rest)}
-            series["verification"][name].append(
-                Evaluation(int(step), float(accuracy), float(std), tars))
-    return series
+from .metrics import METRICS, read_metrics
 
 
 def plot_work_dirs(work_dirs: list[str], out: str | None = None) -> list[Path]:
@@ -94,10 +58,11 @@ def label(work_dir: str, runs: int) -> str:
 
 
 def read_work_dir(work_dir: Path) -> dict:
-    log = work_dir / "training.log"
-    if not log.is_file():
-        raise DataError(f"{log} does not exist: plot reads the training.log of a work dir")
-    series = read_log(log)
+    metrics = work_dir / METRICS
+    if not metrics.is_file():
+        raise DataError(f"{metrics} does not exist: plot reads the {METRICS} a training run "
+                        "writes into its work dir")
+    series = read_metrics(work_dir)
     if not series["step"]:
-        raise DataError(f"{log} has no training lines ('Speed ... Loss ... Global Step')")
+        raise DataError(f"{metrics} has no training steps yet")
     return series

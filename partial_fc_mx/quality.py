@@ -15,7 +15,7 @@ configs/synthetic_sampling.py with --synthetic), trained like `bash run.sh` trai
 finished run is not repeated while its result.json records the same config text,
 data, overrides and processes, so arms can be added later and the tables printed
 again with all of them; anything else about it trains it again. The figures are read
-from each run's training.log.
+from each run's metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import argparse
 import hashlib
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -34,10 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .__main__ import fraction
-from .plot import plot_work_dirs, read_log
+from .metrics import METRICS, read_metrics
+from .plot import plot_work_dirs
 
 REPO = Path(__file__).resolve().parents[1]
-BASELINE = re.compile(r"eigenfaces \(PCA\) baseline ([\d.]+)")
 
 
 @dataclass(frozen=True)
@@ -126,21 +125,20 @@ def run_key(config: str, data: Path, overrides: list[str], processes: int) -> di
 
 def read_result(work_dir: Path) -> RunResult:
     saved = json.loads((work_dir / "result.json").read_text())
-    log = work_dir / "training.log"
-    series = read_log(log)
+    series = read_metrics(work_dir)
     if len(series["verification"]) != 1 or not series["step"]:
-        raise SystemExit(f"{log}: the study reads training steps and one held-out set's "
+        raise SystemExit(f"{work_dir / METRICS}: the study reads training steps and one "
+                         "held-out set's "
                          f"evaluations; this run evaluated {sorted(series['verification'])}. "
                          "Keep val_targets to the held-out set, and delete this run.")
     [evaluations] = series["verification"].values()
     global_batch = series["images"][-1] // series["step"][-1]
     step_ms = [1000 * global_batch / speed for speed in series["speed"] if speed > 0]
     ms_per_step = statistics.median(step_ms) if step_ms else float("nan")
-    baseline = BASELINE.findall(log.read_text())
+    baseline = next(iter(series["baseline"].values()), None)
     return RunResult(saved["overrides"], saved["minutes"], evaluations[0].accuracy,
                      evaluations[-1].accuracy, evaluations[-1].std,
-                     evaluations[-1].tar_at_far, float(baseline[-1]) if baseline else None,
-                     series["loss"][-1], ms_per_step)
+                     evaluations[-1].tar_at_far, baseline, series["loss"][-1], ms_per_step)
 
 
 def run_arm(config: str, work: Path, name: str, overrides: list[str], seeds: list[int],

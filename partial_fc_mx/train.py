@@ -359,5 +359,4 @@ def report_baseline(run: Run) -> None:
     train_images = next(iter(sample.epoch(0))).images
     for pairs in run.validation:
         baseline = eigenfaces_accuracy(train_images, pairs)
-        run.log.info(f"[{pairs.name}] model accuracy {run.accuracy[pairs.name]:.4f} vs "
-                     f"eigenfaces (PCA) baseline {baseline.accuracy:.4f} on the same pairs")
+        run.log.baseline(pairs.name, run.accuracy[pairs.name], baseline.accuracy)

@@ -1,8 +1,10 @@
-"""What rank 0 tells the user while training: training.log lines in the reference's
-format, a tqdm bar on a terminal, and TensorBoard event files (tensorboardX)."""
+"""What rank 0 tells the user while training: metrics.jsonl records (metrics.py),
+the same records as training.log lines in the reference's format, a tqdm bar on a
+terminal, and TensorBoard event files (tensorboardX)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import time
@@ -13,6 +15,7 @@ from tqdm import tqdm
 
 from .data.loader import WaitTimer
 from .evaluation.verification import VerificationResult
+from .metrics import METRICS, human_line
 
 
 class TrainingLog:
@@ -26,10 +29,11 @@ class TrainingLog:
         self._losses: list[float] = []
         self._tic, self._tic_step = time.time(), first_step
         self.data_wait = WaitTimer()  # the trainer times its loader with it: DataWait
-        self.bar = self.writer = None
+        self.bar = self.writer = self.metrics = None
         self.handlers: list[logging.Handler] = []
         if not enabled:
             return
+        self.metrics = open(work_dir / METRICS, "a")  # noqa: SIM115 (closed by close())
         formatter = logging.Formatter("%(asctime)s %(message)s")
         self.handlers = [logging.FileHandler(work_dir / "training.log"),
                          logging.StreamHandler(sys.stdout)]
@@ -56,26 +60,39 @@ class TrainingLog:
         done = step - self._tic_step
         speed = done * self.global_batch / max(elapsed, 1e-9)
         required = (self.total_steps - step) * elapsed / max(done, 1) / 3600
-        mean_loss = sum(self._losses) / len(self._losses)
-        data_wait = 100 * self.data_wait.seconds / max(elapsed, 1e-9)
-        self.info(f"Speed {speed:.2f} samples/sec   Loss {mean_loss:.4f}   "
-                  f"LearningRate {lr:.6f}   Epoch: {epoch}   Global Step: {step}   "
-                  f"Required: {required:.1f} hours   DataWait: {data_wait:.1f}%   "
-                  f"Images: {images}")
-        self.scalars(step, {"loss": mean_loss, "learning_rate": lr, "speed": speed,
-                            "loss_scale": loss_scale, "data_wait_percent": data_wait})
+        values = {"loss": sum(self._losses) / len(self._losses), "learning_rate": lr,
+                  "speed": speed, "loss_scale": loss_scale,
+                  "data_wait_percent": 100 * self.data_wait.seconds / max(elapsed, 1e-9)}
+        self.record({"kind": "step", "step": step, "epoch": epoch, "images": images,
+                     "required_hours": required, **values}, values)
         self._losses, self._tic, self._tic_step = [], time.time(), step
         self.data_wait.seconds = 0.0
 
     def evaluation(self, name: str, step: int, result: VerificationResult) -> None:
-        """The reference's accuracy line, with TAR at the FARs the pairs resolve."""
-        tars = "".join(f"   TAR@FAR={far:g}: {tar:.5f}" for far, tar in result.tar_at_far.items())
-        self.info(f"[{name}][{step}]Accuracy-Flip: {result.accuracy:.5f}+-{result.std:.5f}{tars}")
+        """The accuracy on a verification set, with TAR at the FARs the pairs resolve."""
         scalars = {f"verification/{name}": result.accuracy}
         # tensorboardX keeps [-/\w.] in a tag: "tar_at_far_0.001", not "tar@far=0.001"
         scalars.update({f"verification/{name}/tar_at_far_{far:g}": tar
                         for far, tar in result.tar_at_far.items()})
-        self.scalars(step, scalars)
+        self.record({"kind": "evaluation", "name": name, "step": step,
+                     "accuracy": result.accuracy, "std": result.std,
+                     "tar_at_far": {f"{far:g}": tar for far, tar in result.tar_at_far.items()}},
+                    scalars)
+
+    def baseline(self, name: str, accuracy: float, eigenfaces: float) -> None:
+        """The model's last accuracy on a set beside the eigenfaces (PCA) baseline's."""
+        self.record({"kind": "baseline", "name": name, "accuracy": accuracy,
+                     "eigenfaces": eigenfaces}, {})
+
+    def record(self, record: dict, scalars: dict) -> None:
+        """One record: a metrics.jsonl line, its training.log line and TensorBoard scalars."""
+        if not self.enabled:
+            return
+        self.metrics.write(json.dumps({**record, "time": round(time.time(), 3)}) + "\n")
+        self.metrics.flush()
+        self.info(human_line(record))
+        if scalars:
+            self.scalars(record["step"], scalars)
 
     def scalars(self, step: int, values: dict) -> None:
         if self.writer is not None:
@@ -93,3 +110,5 @@ class TrainingLog:
             self.bar.close()
         if self.writer is not None:
             self.writer.close()
+        if self.metrics is not None:
+            self.metrics.close()

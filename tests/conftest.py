@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -126,17 +126,12 @@ def train_args(config: Path, work_dir: Path, *extra: str) -> list[str]:
     return python_module("train", str(config), "--work-dir", str(work_dir), *extra)
 
 
-STEP_LINE = re.compile(r"Loss ([\d.naninf]+)\s+LearningRate ([\d.]+)\s+Epoch: (\d+)\s+"
-                       r"Global Step: (\d+).*Images: (\d+)")
-
-
 def logged(work_dir: Path) -> dict:
-    """From training.log: {step: loss}, [(step, accuracy)], every step line as a dict
-    (loss, lr, epoch, step, images seen after it) and the text."""
-    text = (work_dir / "training.log").read_text()
-    steps = [{"loss": float(loss), "lr": float(lr), "epoch": int(epoch), "step": int(step),
-              "images": int(images)} for loss, lr, epoch, step, images in STEP_LINE.findall(text)]
-    accuracy = [(int(s), float(a)) for s, a in re.findall(r"\]\[(\d+)\]Accuracy-Flip: ([\d.]+)",
-                                                           text)]
-    return {"losses": {line["step"]: line["loss"] for line in steps}, "steps": steps,
-            "accuracy": accuracy, "text": text}
+    """From metrics.jsonl: {step: loss}, [(step, accuracy)] in the order written, every
+    step record (loss, learning_rate, epoch, step, images seen after it, ...); and the
+    text of training.log."""
+    records = [json.loads(line) for line in (work_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["kind"] == "step"]
+    accuracy = [(r["step"], r["accuracy"]) for r in records if r["kind"] == "evaluation"]
+    return {"losses": {r["step"]: r["loss"] for r in steps}, "steps": steps,
+            "accuracy": accuracy, "text": (work_dir / "training.log").read_text()}

@@ -6,6 +6,7 @@ elsewhere)."""
 from __future__ import annotations
 
 import json
+from unittest import mock
 
 import pytest
 
@@ -17,19 +18,21 @@ from partial_fc_mx.training_log import TrainingLog
 
 def write_log(work_dir, accuracy: float, seconds_per_step: float, baseline: bool = True,
               sets: tuple = ("heldout",)) -> None:
-    """A training.log as the trainer writes it: 4 steps of a global batch of 8, logged
-    every 2, the held-out set at step 0 and at the end, the eigenfaces line."""
-    log = TrainingLog(work_dir, enabled=True, total_steps=4, global_batch=8, frequent=2)
-    for name in sets:
-        log.evaluation(name, 0, VerificationResult(0.85, 0.03, 0.5))
-    for step in range(1, 5):
-        log._tic -= seconds_per_step  # as if each step had taken this long
-        log.step(step, epoch=0, loss=2.0 / step, lr=0.1, loss_scale=1.0, images=8 * step)
+    """A run's metrics as the trainer writes them: 4 steps of a global batch of 8,
+    logged every 2, the held-out set at step 0 and at the end, the eigenfaces baseline.
+    Each step takes `seconds_per_step` of a clock that moves only then."""
+    clock = [1000.0]
+    with mock.patch("partial_fc_mx.training_log.time.time", lambda: clock[0]):
+        log = TrainingLog(work_dir, enabled=True, total_steps=4, global_batch=8, frequent=2)
+        for name in sets:
+            log.evaluation(name, 0, VerificationResult(0.85, 0.03, 0.5))
+        for step in range(1, 5):
+            clock[0] += seconds_per_step
+            log.step(step, epoch=0, loss=2.0 / step, lr=0.1, loss_scale=1.0, images=8 * step)
     for name in sets:
         log.evaluation(name, 4, VerificationResult(accuracy, 0.02, 0.5, {1e-3: 0.7}))
     if baseline:
-        log.info(f"[heldout] model accuracy {accuracy:.4f} vs eigenfaces (PCA) baseline "
-                 "0.8400 on the same pairs")
+        log.baseline("heldout", accuracy, 0.84)
     log.close()
 
 

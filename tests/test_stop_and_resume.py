@@ -82,7 +82,7 @@ def uninterrupted(tmp_path_factory, small) -> dict:
 def lr_by_start(lines: list[dict], global_batch: int) -> dict:
     """{image position where a step started: its learning rate} (no image is dropped
     here, so the images seen before a step are its position)."""
-    return {line["images"] - global_batch: line["lr"] for line in lines}
+    return {line["images"] - global_batch: line["learning_rate"] for line in lines}
 
 
 @pytest.mark.parametrize("before, after", [(1, 2), (2, 1), (2, 3)])

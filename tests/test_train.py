@@ -60,7 +60,8 @@ def test_two_processes_learn_and_verify_better_on_unseen_identities(tmp_path, sy
         evaluated = run(python_module("eval", "--model", str(model), "--bin", heldout))
         assert evaluated.returncode == 0, evaluated.stdout[-2000:]
         accuracy = float(re.search(r"accuracy ([\d.]+) \+-", evaluated.stdout).group(1))
-        assert abs(accuracy - after) <= tolerance, (model, accuracy, after)
+        # eval prints 5 decimals; metrics.jsonl keeps the full value
+        assert abs(accuracy - round(after, 5)) <= tolerance, (model, accuracy, after)
     plots = run(python_module("plot", str(work)))
     assert plots.returncode == 0, plots.stdout
     for name in ("loss", "learning_rate", "speed", "verification"):

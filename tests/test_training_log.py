@@ -1,14 +1,15 @@
-"""What the trainer writes to training.log."""
+"""What the trainer writes to metrics.jsonl and training.log, and plot reads."""
 
 from __future__ import annotations
 
+import json
 import re
 import time
 
 import pytest
 
 from partial_fc_mx.evaluation.verification import VerificationResult
-from partial_fc_mx.plot import read_log
+from partial_fc_mx.metrics import human_line, read_metrics
 from partial_fc_mx.training_log import TrainingLog
 
 
@@ -31,7 +32,40 @@ def test_the_log_says_how_much_of_a_step_waits_for_data(tmp_path, data_seconds, 
     text = (tmp_path / "training.log").read_text()
     waits = [float(x) for x in re.findall(r"DataWait: ([\d.]+)%", text)]
     assert len(waits) == 2 and all(low <= wait <= high for wait in waits), text
-    assert read_log(tmp_path / "training.log")["step"] == [3, 6]  # plot still reads it
+    assert read_metrics(tmp_path)["step"] == [3, 6]  # plot reads the same steps
+
+
+def test_every_training_log_line_of_a_record_is_made_from_its_metrics_record(tmp_path):
+    log = TrainingLog(tmp_path, enabled=True, total_steps=4, global_batch=8, frequent=2)
+    log.evaluation("heldout", 0, VerificationResult(0.5, 0.1, 0.5, {1e-3: 0.25}))
+    for step in range(1, 5):
+        log.step(step, epoch=0, loss=1.0 / step, lr=0.1 * step, loss_scale=1.0, images=8 * step)
+    log.baseline("heldout", 0.9, 0.8)
+    log.info("a note, in training.log only")
+    log.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in records] == ["evaluation", "step", "step", "baseline"]
+    assert records[1]["loss"] == 0.75 and records[2]["learning_rate"] == 0.4  # full precision
+    lines = [line.split(" ", 2)[2] for line in (tmp_path / "training.log").read_text().splitlines()]
+    assert lines == [*map(human_line, records), "a note, in training.log only"]
+    assert lines[0] == "[heldout][0]Accuracy-Flip: 0.50000+-0.10000   TAR@FAR=0.001: 0.25000"
+    assert re.fullmatch(r"Speed [\d.]+ samples/sec   Loss 0\.2917   LearningRate 0\.400000   "
+                        r"Epoch: 0   Global Step: 4   Required: 0\.0 hours   DataWait: [\d.]+%   "
+                        r"Images: 32", lines[2])
+
+
+def test_a_resumed_run_repeating_steps_is_read_once_per_step(tmp_path):
+    """A resume in the same work dir appends the steps after its checkpoint again."""
+    for first, losses in ((1, [4.0, 3.0, 2.0]), (2, [2.5, 1.5])):
+        log = TrainingLog(tmp_path, enabled=True, total_steps=3, global_batch=8, frequent=1,
+                          first_step=first - 1)
+        for step, loss in enumerate(losses, start=first):
+            log.step(step, epoch=0, loss=loss, lr=0.1, loss_scale=1.0, images=8 * step)
+            log.evaluation("heldout", step, VerificationResult(loss / 10, 0.0, 0.5))
+        log.close()
+    series = read_metrics(tmp_path)
+    assert series["step"] == [1, 2, 3] and series["loss"] == [4.0, 2.5, 1.5]
+    assert [e.accuracy for e in series["verification"]["heldout"]] == [0.4, 0.25, 0.15]
 
 
 def write_run(work_dir, losses: list[float], accuracies: dict[int, float]) -> None:
