@@ -33,6 +33,7 @@ from .config import load_config
 from .data.loader import FaceLoader, WaitTimer
 from .data.recordio import RecordDataset
 from .data.synthetic import prepare_synthetic
+from .data.transforms import FACE_SIZE
 from .partial_fc import PartialFC
 
 MiB = 1024**2
@@ -286,7 +287,7 @@ def run_data(args) -> None:
             ours = images_per_second(iter(loader.epoch(0)), batches, args.batch_size)
             record_iter = mx.io.ImageRecordIter(
                 path_imgrec=str(theirs / "train.rec"), path_imgidx=str(theirs / "train.idx"),
-                data_shape=(3, 112, 112), batch_size=args.batch_size, shuffle=True,
+                data_shape=(3, FACE_SIZE, FACE_SIZE), batch_size=args.batch_size, shuffle=True,
                 rand_mirror=True, mean_r=127.5, mean_g=127.5, mean_b=127.5, scale=1 / 128,
                 preprocess_threads=workers, prefetch_buffer=2)
             theirs_rate = images_per_second(iter(record_iter), batches, args.batch_size)

@@ -23,7 +23,8 @@ from . import dist, gpu_support, workdir
 from .centers import MemoryEstimate, estimate_memory
 from .checkpoint import CheckpointError, find_resumable
 from .config import Config
-from .data.recordio import DataError, RecordDataset
+from .data.recordio import DataError
+from .data.source import open_dataset
 
 GiB = 1024**3
 
@@ -123,11 +124,10 @@ def check_dataset(config: Config) -> tuple[list[str], dict | None]:
     Returns the problems and the dataset's fingerprint (None when it did not open)."""
     if not config.rec:
         return ["the config sets no `rec` directory; set rec=/path/to/dataset"], None
-    if config.rec == "random":  # speed runs: random tensors, no files
-        return [], None
     problems, fingerprint = [], None
     try:
-        fingerprint = RecordDataset(config.rec, config.num_classes).records.fingerprint()
+        dataset = open_dataset(config)
+        fingerprint = dataset.records.fingerprint() if dataset is not None else None
     except DataError as error:
         problems.append(str(error))
     problems += [f"verification set {path} is missing; fix `val_targets` or copy it there"

@@ -19,6 +19,7 @@ import onnx
 
 from . import durable
 from .data.recordio import DataError
+from .data.transforms import FACE_SIZE
 from .evaluation.verification import mxnet_forward, onnx_forward
 
 SYMBOL, PARAMS = "backbone-symbol.json", "backbone-0000.params"
@@ -46,9 +47,9 @@ def export_onnx(work_dir: str | os.PathLike) -> Path:
     symbol, params = backbone_files(work_dir)
     tmp = work_dir / ".backbone.onnx.partial"
     mx.onnx.export_model(symbol, params,
-                         in_shapes=[(1, 3, 112, 112)], in_types=[np.float32],
+                         in_shapes=[(1, 3, FACE_SIZE, FACE_SIZE)], in_types=[np.float32],
                          onnx_file_path=str(tmp), dynamic=True,
-                         dynamic_input_shapes=[(None, 3, 112, 112)])
+                         dynamic_input_shapes=[(None, 3, FACE_SIZE, FACE_SIZE)])
     model = onnx.load(str(tmp))
     # MXNet's exporter also lists the weights as graph inputs; onnxruntime then cannot
     # fold them as constants, and checkers see many inputs instead of one
@@ -75,7 +76,8 @@ def onnx_session(path: str | os.PathLike):
 
 def parity(work_dir: str | os.PathLike, batch: int = 4, seed: int = 0) -> float:
     """Max |MXNet - onnxruntime| on the same random inputs (float32)."""
-    x = np.random.default_rng(seed).standard_normal((batch, 3, 112, 112), dtype=np.float32)
+    x = np.random.default_rng(seed).standard_normal((batch, 3, FACE_SIZE, FACE_SIZE),
+                                                         dtype=np.float32)
     expected = mxnet_forward(load_backbone(work_dir), mx.cpu())(x)
     got = onnx_forward(onnx_session(Path(work_dir) / "backbone.onnx"))(x)
     return float(np.abs(got - expected).max())
@@ -99,10 +101,11 @@ def check_onnx(path: str | os.PathLike, runs: int = 20, max_mb: float = 0.0,
         raise DataError(f"{path} has {len(inputs)} inputs; a face backbone takes one image "
                         "tensor")
     shape = inputs[0].shape
-    if len(shape) != 4 or list(shape[1:]) != [3, 112, 112] or inputs[0].type != "tensor(float)":
+    expected = [3, FACE_SIZE, FACE_SIZE]
+    if len(shape) != 4 or list(shape[1:]) != expected or inputs[0].type != "tensor(float)":
         raise DataError(f"{path} takes {inputs[0].type} of shape {shape}; expected float "
-                        "N x 3 x 112 x 112")
-    x = np.random.default_rng(0).standard_normal((1, 3, 112, 112), dtype=np.float32)
+                        f"N x 3 x {FACE_SIZE} x {FACE_SIZE}")
+    x = np.random.default_rng(0).standard_normal((1, 3, FACE_SIZE, FACE_SIZE), dtype=np.float32)
     forward = onnx_forward(session)
     output = forward(x)
     times = []

@@ -3,9 +3,10 @@ baseline comparison, appended by rank 0 to work_dir/metrics.jsonl.
 
 training.log's lines are made from the same records by `human_line` (in the
 insightface reference's format, which people grep), so the two never disagree;
-plot, quality and the tests read the JSON, never the text. A run resumed in the
-same work dir appends the steps it repeats: `read_metrics` keeps the last record
-of each step.
+plot, quality and the tests read the JSON, never the text. Every run appends a
+"start" record with the step it starts from; `read_metrics` then forgets what an
+earlier run wrote past that step (a resume repeats those steps; a new run at step 0
+replaces everything), and skips a line a killed process left half-written.
 """
 
 from __future__ import annotations
@@ -55,12 +56,23 @@ class Evaluation(NamedTuple):
 
 def read_metrics(work_dir: str | Path) -> dict:
     """{"step", "loss", "learning_rate", "speed", "images": [...] in step order,
-    "verification": {set name: [Evaluation]}, "baseline": {set name: eigenfaces accuracy}}
-    from work_dir/metrics.jsonl, the last record of each step winning."""
-    steps, evaluations, baselines = {}, {}, {}
+    "verification": {set name: [Evaluation]}, "baseline": {set name: eigenfaces accuracy},
+    "unreadable_lines": how many lines were not whole records} of the latest run in
+    work_dir/metrics.jsonl, with the steps before its start from the runs it resumed."""
+    steps, evaluations, baselines, unreadable = {}, {}, {}, 0
     for line in (Path(work_dir) / METRICS).read_text().splitlines():
-        record = json.loads(line)
-        if record["kind"] == "step":
+        try:
+            record = json.loads(line)
+        except ValueError:  # cut off by a crash, a full disk, a power loss
+            unreadable += 1
+            continue
+        if record["kind"] == "start":
+            start = record["step"]
+            steps = {step: r for step, r in steps.items() if step <= start}
+            evaluations = {name: {step: e for step, e in points.items() if step <= start}
+                           for name, points in evaluations.items()}
+            baselines = {}
+        elif record["kind"] == "step":
             steps[record["step"]] = record
         elif record["kind"] == "evaluation":
             evaluations.setdefault(record["name"], {})[record["step"]] = Evaluation(
@@ -74,4 +86,5 @@ def read_metrics(work_dir: str | Path) -> dict:
     series["verification"] = {name: [points[step] for step in sorted(points)]
                               for name, points in evaluations.items()}
     series["baseline"] = baselines
+    series["unreadable_lines"] = unreadable
     return series

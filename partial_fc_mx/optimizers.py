@@ -20,8 +20,10 @@ import mxnet as mx
 import numpy as np
 
 
-@mx.optimizer.register
 class AdamW(mx.optimizer.Optimizer):
+    """Used as an instance (train.make_trainer), not registered by name: registering
+    on import would change MXNet's global registry for anyone importing this module."""
+
     def __init__(self, learning_rate: float = 0.001, beta1: float = 0.9, beta2: float = 0.999,
                  epsilon: float = 1e-8, **kwargs) -> None:
         super().__init__(learning_rate=learning_rate, **kwargs)

@@ -65,4 +65,7 @@ def read_work_dir(work_dir: Path) -> dict:
     series = read_metrics(work_dir)
     if not series["step"]:
         raise DataError(f"{metrics} has no training steps yet")
+    if series["unreadable_lines"]:
+        print(f"warning: {metrics}: skipped {series['unreadable_lines']} unfinished line(s) "
+              "(a run killed while writing, or one writing now)")
     return series

@@ -149,8 +149,9 @@ def run_arm(config: str, work: Path, name: str, overrides: list[str], seeds: lis
         saved = work_dir / "result.json"
         data = split_data(work, seed, synthetic)
         key = run_key(config, data, overrides, processes)
-        if not (saved.is_file() and same_run(json.loads(saved.read_text()), key)):
-            if work_dir.exists():  # an unfinished or different run: start again
+        reusable = saved.is_file() and (work_dir / METRICS).is_file()  # (older runs: none)
+        if not (reusable and same_run(json.loads(saved.read_text()), key)):
+            if work_dir.exists():  # an unfinished, different or older run: start again
                 shutil.rmtree(work_dir)
             minutes = train_once(config, data, overrides, work_dir, processes)
             saved.write_text(json.dumps({**key, "minutes": minutes}))

@@ -16,8 +16,7 @@ before the next collective, so every rank stops with the same message.
 
 from __future__ import annotations
 
-import faulthandler
-import signal
+import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -34,10 +33,13 @@ from .checkpoint import CheckpointError, TrainState
 from .config import Config, ConfigError
 from .data.loader import Batch, FaceLoader, RandomLoader, in_step
 from .data.recordio import DataError, RecordDataset
+from .data.source import make_loader, open_dataset
+from .data.transforms import FACE_SIZE
 from .evaluation.baseline import eigenfaces_accuracy
 from .evaluation.verification import load_bin, mxnet_forward, verify
 from .export import export_onnx
-from .optimizers import OptimizerStateError
+from .interrupts import StopRequest, Watchdog
+from .optimizers import AdamW, OptimizerStateError
 from .partial_fc import PartialFC, PartialFCInputError
 from .precision import LossScaler, PrecisionError, to_float16
 from .schedule import Plan
@@ -51,18 +53,6 @@ class TrainingError(RuntimeError):
 USER_ERRORS = (ConfigError, DataError, CheckpointError, OptimizerStateError, PrecisionError,
                PartialFCInputError, TrainingError, workdir.WorkDirError)
 """Errors caused by the input (files, values), reported as one message, not a traceback."""
-
-
-class StopRequest:
-    """SIGTERM or SIGINT asks for a checkpoint and a clean exit after the current step."""
-
-    def __init__(self) -> None:
-        self.signal = None
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.signal = signum
 
 
 @dataclass
@@ -88,66 +78,96 @@ class Run:
 
 
 def train(config: Config, resume_from: str | None = None, load_from: str | None = None) -> int:
-    faulthandler.enable()
-    watch(config.stall_timeout)  # start-up too: a rank stuck in a file system or a link
-    stop = StopRequest()
-    run = start(config, resume_from, load_from)
-    state, plan, log = run.state, run.plan, run.log
-    first_step = state.step
-    try:
-        for batch in batches_to_the_end(run):
-            watch(config.stall_timeout)
-            epoch = state.epoch
-            lr = plan.learning_rate(config.lr, plan.position(epoch, state.images_in_epoch))
-            mx.random.seed(config.seed + 7919 * state.step + run.world.rank)  # dropout, resumable
-            loss = train_step(run, batch, lr)
-            state.step += 1
-            state.advance(run.loader.global_batch, run.loader.num_images)
-            if not np.isfinite(loss):
-                raise TrainingError(
-                    f"the loss became {loss} at step {state.step} (lr {lr:g}); stopping "
-                    "without saving. The last good checkpoint is untouched: lower lr or "
-                    "set clip_grad, then resume with --resume-from")
-            done = plan.done(state.epoch, state.images_in_epoch)
-            log.step(state.step, epoch, loss, lr, run.scaler.scale, state.images_seen)
-            stopping = dist.any_rank(stop.signal is not None, name="stop")
-            if config.val_targets and not stopping and (state.step % config.verbose == 0
-                                                        or done):
-                evaluate(run)  # before saving: the checkpoint keeps the best accuracy
-            if stopping or done or saving_due(config, state):
-                save(run, export=not stopping)  # a scheduler's grace period is short
-            if stopping:
-                log.info(f"stopped by a signal at step {state.step}; resume with "
-                         f"--resume-from {run.work_dir}")
-                return 128 + (stop.signal or signal.SIGTERM)
-            if done:
-                break
-        watch(config.stall_timeout)  # the closing evaluation too
-        if state.step == first_step:
-            log.info(f"nothing left to train: step {state.step} is the end of the run")
-            if config.val_targets:
-                evaluate(run)
-        if run.validation and config.report_baseline:
-            report_baseline(run)
-        return 0
-    finally:
-        faulthandler.cancel_dump_traceback_later()
-        log.close()
+    """Train to the end of the run (0), or until a signal asks to stop (128 + signal):
+    batch -> train_step -> after_step, step after step."""
+    with StopRequest() as stop, Watchdog(config.stall_timeout) as watchdog:
+        run = start(config, resume_from, load_from)  # watched too: a stuck file system
+        with contextlib.closing(run.log):
+            first_step = run.state.step
+            if first_step == 0 and config.val_targets:
+                evaluate(run)  # the untrained network: what training adds
+            for batch in batches_to_the_end(run):
+                watchdog.restart()
+                seed_step(run)
+                lr = learning_rate(run)
+                loss = train_step(run, batch, lr)
+                due = after_step(run, loss, lr, stopping=stop.signal is not None)
+                if due.stop:
+                    return stop.exit_code
+                if due.done:
+                    break
+            watchdog.restart()  # the closing evaluation too
+            finish(run, trained=run.state.step > first_step)
+            return 0
 
 
-def saving_due(config: Config, state: TrainState) -> bool:
-    """Every `save_every` steps, or (save_every = 0) when an epoch has just ended."""
-    if config.save_every:
-        return state.step % config.save_every == 0
-    return state.images_in_epoch == 0
+@dataclass(frozen=True)
+class Due:
+    """What follows a step."""
+
+    evaluate: bool
+    save: bool
+    stop: bool
+    done: bool
 
 
-def watch(stall_timeout: int) -> None:
-    """(Re)start the stall watchdog: past `stall_timeout` seconds the process prints
-    every thread's stack and exits, so a rank stuck in a collective fails instead of
-    hanging, and its launcher ends the others."""
-    if stall_timeout:
-        faulthandler.dump_traceback_later(stall_timeout, exit=True)
+def due_after(config: Config, state: TrainState, done: bool, stopping: bool) -> Due:
+    """The one place that decides what follows a step. Evaluate every `verbose` steps
+    and at the end (not when stopping: a scheduler's grace period is short); save
+    every `save_every` steps (0: when an epoch has just ended), at the end and when
+    stopping; evaluation comes first, so the checkpoint keeps the best accuracy."""
+    evaluate = bool(config.val_targets) and not stopping and (
+        state.step % config.verbose == 0 or done)
+    saving_due = (state.step % config.save_every == 0 if config.save_every
+                  else state.images_in_epoch == 0)
+    return Due(evaluate, stopping or done or saving_due, stopping, done)
+
+
+def after_step(run: Run, loss: float, lr: float, stopping: bool) -> Due:
+    """Count the step, check its loss, log it, then evaluate, save or stop as due:
+    whether to stop is agreed by every rank (a signal may reach only some)."""
+    state, epoch = run.state, run.state.epoch
+    state.step += 1
+    state.advance(run.loader.global_batch, run.loader.num_images)
+    if not np.isfinite(loss):
+        raise TrainingError(
+            f"the loss became {loss} at step {state.step} (lr {lr:g}); stopping "
+            "without saving. The last good checkpoint is untouched: lower lr or "
+            "set clip_grad, then resume with --resume-from")
+    run.log.step(state.step, epoch, loss, lr, run.scaler.scale, state.images_seen)
+    due = due_after(run.config, state, run.plan.done(state.epoch, state.images_in_epoch),
+                    dist.any_rank(stopping, name="stop"))
+    if due.evaluate:
+        evaluate(run)
+    if due.save:
+        save(run, export=not due.stop)
+    if due.stop:
+        run.log.info(f"stopped by a signal at step {state.step}; resume with "
+                     f"--resume-from {run.work_dir}")
+    return due
+
+
+def seed_step(run: Run) -> None:
+    """Reseed MXNet's generator (dropout) from the step, so a resumed run draws what
+    the uninterrupted one did."""
+    mx.random.seed(run.config.seed + 7919 * run.state.step + run.world.rank)
+
+
+def learning_rate(run: Run) -> float:
+    """The schedule's rate where the run stands."""
+    state, plan = run.state, run.plan
+    return plan.learning_rate(run.config.lr, plan.position(state.epoch, state.images_in_epoch))
+
+
+def finish(run: Run, trained: bool) -> None:
+    """After the last step: the closing evaluation when no step was left to train
+    (the last step evaluated otherwise), then the baseline if the config asks."""
+    if not trained:
+        run.log.info(f"nothing left to train: step {run.state.step} is the end of the run")
+        if run.config.val_targets:
+            evaluate(run)
+    if run.validation and run.config.report_baseline:
+        report_baseline(run)
 
 
 def batches_to_the_end(run: Run) -> Iterator[Batch]:
@@ -171,7 +191,8 @@ def start(config: Config, resume_from: str | None, load_from: str | None) -> Run
     def prepare() -> tuple:  # local work only: no collective until every rank is through
         config.check_world_size(world.size)
         work_dir = workdir.create(config.output)
-        dataset, loader = make_loader(config, world)
+        dataset = open_dataset(config)
+        loader = make_loader(config, world, dataset)
         validation = [load_bin(p) for p in config.val_paths()] if world.is_main else []
         net = build_backbone(config, ctx)
         pfc = PartialFC(config.num_classes, config.embedding_size, rank=world.rank,
@@ -205,26 +226,8 @@ def start(config: Config, resume_from: str | None, load_from: str | None) -> Run
                                  f"{state.images_in_epoch} images into it)"
                                  if state.step else ""))
     scaler = LossScaler(dynamic=config.fp16, scale=state.loss_scale if resume_from else 2.0**16)
-    run = Run(config, world, ctx, work_dir, dataset, loader, net, pfc, trainer, validation,
-              state, plan, scaler, log)
-    if config.val_targets and state.step == 0:
-        evaluate(run)  # what training adds
-    return run
-
-
-def make_loader(config: Config, world: dist.World) -> tuple:
-    """(dataset, loader); rec = "random" feeds random tensors (speed runs, no dataset)."""
-    if config.rec == "random":
-        global_batch = config.batch_size * world.size
-        images = config.num_image if config.num_image >= global_batch else 1000 * global_batch
-        return None, RandomLoader(config.batch_size, config.num_classes, images,
-                                  world_size=world.size, seed=config.seed + world.rank)
-    dataset = RecordDataset(config.rec, config.num_classes)
-    return dataset, FaceLoader(dataset, config.batch_size, rank=world.rank,
-                               world_size=world.size, seed=config.seed,
-                               num_workers=config.num_workers,
-                               skip_corrupt=config.skip_corrupt,
-                               augment=config.augmentation())
+    return Run(config, world, ctx, work_dir, dataset, loader, net, pfc, trainer, validation,
+               state, plan, scaler, log)
 
 
 def build_backbone(config: Config, ctx: mx.Context):
@@ -235,7 +238,7 @@ def build_backbone(config: Config, ctx: mx.Context):
     net = get_model(config.network, config.embedding_size, config.dropout)
     net.initialize(mx.init.Xavier(rnd_type="gaussian", factor_type="out", magnitude=2),
                    ctx=ctx)
-    net.infer_shape(mx.nd.zeros((1, 3, 112, 112), ctx=ctx))
+    net.infer_shape(mx.nd.zeros((1, 3, FACE_SIZE, FACE_SIZE), ctx=ctx))
     for param in net.collect_params().values():
         param._finish_deferred_init()
     net.hybridize(static_alloc=True, static_shape=True)
@@ -245,9 +248,10 @@ def build_backbone(config: Config, ctx: mx.Context):
 def make_trainer(config: Config, net) -> mx.gluon.Trainer:
     options = {"learning_rate": config.lr, "wd": config.weight_decay,
                "multi_precision": config.fp16}
-    if config.optimizer == "sgd":
-        options["momentum"] = config.momentum
-    return hvd.DistributedTrainer(net.collect_params(), config.optimizer, options)
+    if config.optimizer == "adamw":  # an instance: MXNet's registry is never touched
+        return hvd.DistributedTrainer(net.collect_params(), AdamW(**options))
+    return hvd.DistributedTrainer(net.collect_params(), "sgd",
+                                  {**options, "momentum": config.momentum})
 
 
 def restore(config: Config, world: dist.World, ctx: mx.Context, work_dir: Path, net, trainer,

@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from .data.loader import WaitTimer
 from .evaluation.verification import VerificationResult
-from .metrics import METRICS, human_line
+from .metrics import HUMAN_LINES, METRICS, human_line
 
 
 class TrainingLog:
@@ -33,7 +33,7 @@ class TrainingLog:
         self.handlers: list[logging.Handler] = []
         if not enabled:
             return
-        self.metrics = open(work_dir / METRICS, "a")  # noqa: SIM115 (closed by close())
+        self.metrics = open_metrics(work_dir / METRICS)
         formatter = logging.Formatter("%(asctime)s %(message)s")
         self.handlers = [logging.FileHandler(work_dir / "training.log"),
                          logging.StreamHandler(sys.stdout)]
@@ -43,6 +43,7 @@ class TrainingLog:
         self.writer = SummaryWriter(str(work_dir / "tensorboard"))
         if sys.stderr.isatty():
             self.bar = tqdm(total=total_steps, initial=first_step, unit="step")
+        self.record({"kind": "start", "step": first_step}, {})
 
     def info(self, message: str) -> None:
         if self.enabled:
@@ -85,12 +86,20 @@ class TrainingLog:
                      "eigenfaces": eigenfaces}, {})
 
     def record(self, record: dict, scalars: dict) -> None:
-        """One record: a metrics.jsonl line, its training.log line and TensorBoard scalars."""
+        """One record: a metrics.jsonl line, its training.log line and TensorBoard scalars.
+        A failed write (a full disk) is a warning, not the end of rank 0 alone: the
+        other ranks would wait for it in the next collective."""
         if not self.enabled:
             return
-        self.metrics.write(json.dumps({**record, "time": round(time.time(), 3)}) + "\n")
-        self.metrics.flush()
-        self.info(human_line(record))
+        if self.metrics is not None:
+            try:
+                self.metrics.write(json.dumps({**record, "time": round(time.time(), 3)}) + "\n")
+                self.metrics.flush()
+            except (OSError, TypeError, ValueError) as error:
+                self.metrics = None
+                self.info(f"WARNING: stopped writing {METRICS}: {error!r}")
+        if record["kind"] in HUMAN_LINES:
+            self.info(human_line(record))
         if scalars:
             self.scalars(record["step"], scalars)
 
@@ -112,3 +121,18 @@ class TrainingLog:
             self.writer.close()
         if self.metrics is not None:
             self.metrics.close()
+
+
+def open_metrics(path: Path):
+    """metrics.jsonl for appending, after a newline if a killed run left its last line
+    unfinished (a resume would otherwise glue its first record onto it)."""
+    if path.is_file() and path.stat().st_size:
+        with open(path, "rb") as existing:
+            existing.seek(-1, 2)
+            unfinished = existing.read(1) != b"\n"
+    else:
+        unfinished = False
+    metrics = open(path, "a")  # noqa: SIM115 (TrainingLog.close closes it)
+    if unfinished:
+        metrics.write("\n")
+    return metrics

@@ -12,7 +12,7 @@ import numpy as np
 
 
 def margin_logit(cos: np.ndarray, m1: float, m2: float, m3: float, s: float) -> np.ndarray:
-    """s * (cos(m1*theta + m2) - m3), continued as a line past theta_max (losses.py)."""
+    """s * (cos(m1*theta + m2) - m3), continued as a line past theta_max (margins/combined.py)."""
     theta = np.arccos(np.clip(cos, -1, 1))
     theta_max = (math.pi - m2) / m1
     line = cos - math.cos(theta_max) - 1 - m3

@@ -61,7 +61,7 @@ def test_unknown_keys_are_rejected_with_a_suggestion(tmp_path):
     ("optimizer='adam'", "'sgd' or 'adamw'"),
     ("center_optimizer='adam'", r"center_optimizer='adam' must be one of \['adamw', 'sgd'\]"),
     ("margin='arcface'", r"margin='arcface' must be one of \['adaface', 'combined'\]"),
-
+    ("margin_options={'m': 0.4}", "are for the other margins; the combined margin takes"),
     ("keep_checkpoints=0", "keep_checkpoints must be >= 1"),
 ])
 def test_invalid_values_are_rejected(tmp_path, override, message):

@@ -72,6 +72,7 @@ def test_two_processes_learn_and_verify_better_on_unseen_identities(tmp_path, sy
     {},
     {"center_optimizer": "adamw", "center_lr_scale": 0.1, "fp16_centers": True,
      "margin": "adaface", "margin_options": {"t_alpha": 0.5}},  # its statistics resume too
+    {"optimizer": "adamw", "lr": 0.001, "center_lr_scale": 100.0},  # the backbone's AdamW
 ])
 def test_resumed_run_repeats_the_uninterrupted_losses(tmp_path, synthetic, centers):
     config = config_file(tmp_path, synthetic, max_steps=10, save_every=4, sample_rate=0.5,

@@ -44,6 +44,7 @@ def test_every_training_log_line_of_a_record_is_made_from_its_metrics_record(tmp
     log.info("a note, in training.log only")
     log.close()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert records.pop(0) == {"kind": "start", "step": 0, "time": records[0]["time"]}
     assert [r["kind"] for r in records] == ["evaluation", "step", "step", "baseline"]
     assert records[1]["loss"] == 0.75 and records[2]["learning_rate"] == 0.4  # full precision
     lines = [line.split(" ", 2)[2] for line in (tmp_path / "training.log").read_text().splitlines()]
@@ -54,18 +55,37 @@ def test_every_training_log_line_of_a_record_is_made_from_its_metrics_record(tmp
                         r"Images: 32", lines[2])
 
 
-def test_a_resumed_run_repeating_steps_is_read_once_per_step(tmp_path):
-    """A resume in the same work dir appends the steps after its checkpoint again."""
-    for first, losses in ((1, [4.0, 3.0, 2.0]), (2, [2.5, 1.5])):
-        log = TrainingLog(tmp_path, enabled=True, total_steps=3, global_batch=8, frequent=1,
-                          first_step=first - 1)
-        for step, loss in enumerate(losses, start=first):
-            log.step(step, epoch=0, loss=loss, lr=0.1, loss_scale=1.0, images=8 * step)
-            log.evaluation("heldout", step, VerificationResult(loss / 10, 0.0, 0.5))
-        log.close()
+def log_steps(work_dir, first: int, losses: list[float]) -> None:
+    """A run that starts after step `first` - 1 and logs (and evaluates) every step."""
+    log = TrainingLog(work_dir, enabled=True, total_steps=first + len(losses), global_batch=8,
+                      frequent=1, first_step=first - 1)
+    for step, loss in enumerate(losses, start=first):
+        log.step(step, epoch=0, loss=loss, lr=0.1, loss_scale=1.0, images=8 * step)
+        log.evaluation("heldout", step, VerificationResult(loss / 10, 0.0, 0.5))
+    log.close()
+
+
+def test_the_metrics_are_the_latest_runs_with_the_steps_it_resumed_from(tmp_path):
+    """A resume in the same work dir repeats the steps after its checkpoint; one from an
+    older checkpoint abandons the later steps; a new run replaces everything."""
+    log_steps(tmp_path, 1, [4.0, 3.0, 2.0, 1.0])
+    log_steps(tmp_path, 2, [2.5])  # resumed from step 1, stopped after step 2
     series = read_metrics(tmp_path)
-    assert series["step"] == [1, 2, 3] and series["loss"] == [4.0, 2.5, 1.5]
-    assert [e.accuracy for e in series["verification"]["heldout"]] == [0.4, 0.25, 0.15]
+    assert series["step"] == [1, 2] and series["loss"] == [4.0, 2.5]
+    assert [e.accuracy for e in series["verification"]["heldout"]] == [0.4, 0.25]
+    log_steps(tmp_path, 3, [1.5])
+    assert read_metrics(tmp_path)["loss"] == [4.0, 2.5, 1.5]
+    log_steps(tmp_path, 1, [9.0])  # a new run from step 0
+    assert read_metrics(tmp_path)["loss"] == [9.0]
+
+
+def test_a_line_a_killed_run_left_unfinished_is_skipped_and_not_glued_to(tmp_path):
+    log_steps(tmp_path, 1, [4.0, 3.0])
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_bytes(metrics.read_bytes()[:-20])  # killed in the middle of a line
+    log_steps(tmp_path, 2, [2.5])
+    series = read_metrics(tmp_path)
+    assert series["loss"] == [4.0, 2.5] and series["unreadable_lines"] == 1
 
 
 def write_run(work_dir, losses: list[float], accuracies: dict[int, float]) -> None:

@@ -9,8 +9,10 @@ import mxnet as mx
 import numpy as np
 from mxnet.gluon import HybridBlock
 
+from ..data.transforms import FACE_SIZE
 
-def count_flops(net: HybridBlock, size: int = 112) -> tuple[int, int]:
+
+def count_flops(net: HybridBlock, size: int = FACE_SIZE) -> tuple[int, int]:
     """(parameters, multiply-adds for one 3 x size x size image) of an initialized net.
 
     Read from the hybridized graph with inferred shapes, counting convolutions and

@@ -35,6 +35,7 @@ class CenterOptimizer(Protocol):
 
 
 def available() -> list[str]:
+    """The optimizers a config may name: this package's modules."""
     return plugins.names(sys.modules[__name__])
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .recordio import RecordDataset, valid_class_ids
-from .transforms import decode_face
+from .transforms import decode_face, decode_in_workers
 
 
 @dataclass
@@ -40,6 +40,7 @@ def inspect_dataset(directory: str, scan: bool = False, workers: int = 4) -> Ins
         image, resized = decode_face(record.image)
         return record.label, image is not None, resized
 
+    decode_in_workers()
     with ThreadPoolExecutor(workers) as pool:
         examined = list(pool.map(examine, dataset.image_ids))
     labels = np.array([label for label, _, _ in examined])

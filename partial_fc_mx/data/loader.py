@@ -27,7 +27,7 @@ import numpy as np
 from .. import dist
 from .augment import Augmentation
 from .recordio import DataError, RecordDataset, valid_class_ids
-from .transforms import FACE_SIZE, decode_face, to_network_input
+from .transforms import FACE_SIZE, decode_face, decode_in_workers, to_network_input
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +127,7 @@ class FaceLoader:
 
         def produce() -> None:
             try:
+                decode_in_workers()
                 with ThreadPoolExecutor(self.num_workers, thread_name_prefix="decode") as pool:
                     for row in range(len(ids)):
                         batch = self._load_batch(pool, ids[row], mirrors[row],

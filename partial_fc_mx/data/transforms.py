@@ -10,7 +10,13 @@ import cv2
 import numpy as np
 
 FACE_SIZE = 112
-cv2.setNumThreads(1)  # parallelism comes from the loader's workers, not inside OpenCV
+
+
+def decode_in_workers() -> None:
+    """OpenCV single-threaded: the parallelism is the loader's decoding threads, and
+    OpenCV's own pool per call would oversubscribe the cores. Set when a loader starts
+    (process-wide), not on import."""
+    cv2.setNumThreads(1)
 
 
 def decode_face(encoded: bytes, mirror: bool = False) -> tuple[np.ndarray | None, bool]:

@@ -3,8 +3,9 @@
 Partial FC scores s * cos for every sampled class; only the target entry of each
 row gets the margin, so a margin works on a vector: it receives the target
 cosines and the embeddings' norms of those rows, and returns the target logits and
-their slopes d logit / d cos (the norms enter as constants: AdaFace and MagFace
-stop their gradient). `observe` sees the whole global batch's norms once per step
+their slopes d logit / d cos (the norms enter as constants, as AdaFace's authors
+stop their gradient; a margin that needs the norm's gradient, such as MagFace, would
+need this interface to return it too). `observe` sees the whole global batch's norms once per step
 before that, on every rank alike, for margins that keep batch statistics
 (AdaFace); `state_dict` is what a checkpoint keeps of them.
 
@@ -42,6 +43,7 @@ class Margin(Protocol):
 
 
 def available() -> list[str]:
+    """The margins a config may name: this package's modules."""
     return plugins.names(sys.modules[__name__])
 
 

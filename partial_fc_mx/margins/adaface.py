@@ -65,6 +65,8 @@ class AdaFace:
         return mx.nd.clip(z, -1, 1)
 
     def __call__(self, cos: mx.nd.NDArray, norms: mx.nd.NDArray) -> tuple:
+        """(target logits, d logit / d cos); zero slope where a clip holds. Only the
+        targets are clipped here: the other logits stay s * cos, unclipped."""
         z = self.quality(norms.astype(cos.dtype))
         held = mx.nd.clip(cos, -1 + EPS, 1 - EPS)
         theta = mx.nd.arccos(held)

@@ -69,7 +69,10 @@ class CombinedMargin:
         return s * value, s * slope
 
 
-def build(scale: float, margin_list: tuple) -> CombinedMargin:
+def build(scale: float, margin_list: tuple, **options) -> CombinedMargin:
+    if options:
+        raise ValueError(f"margin_options={options} are for the other margins; the combined "
+                         "margin takes margin_list = (m1, m2, m3)")
     if len(margin_list) != 3:
         raise ValueError(f"margin_list={margin_list} must be (m1, m2, m3)")
     return CombinedMargin(*margin_list, scale=scale)
