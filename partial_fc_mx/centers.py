@@ -157,6 +157,11 @@ def initial_centers(seed: int, shard: Shard, embedding_size: int) -> np.ndarray:
     return centers
 
 
+def center_dtype(fp16_centers: bool) -> str:
+    """How the rows are stored: float16 fits twice the classes in the same memory."""
+    return "float16" if fp16_centers else "float32"
+
+
 def num_sample(shard_size: int, sample_rate: float) -> int:
     """Centers a rank scores per step when the batch's positives fit in the sample."""
     return int(sample_rate * shard_size)
@@ -189,7 +194,7 @@ def estimate_memory(
     """`optimizer`: the centers' (default: SGD with momentum, one state as wide as a row)."""
     optimizer = optimizer or SGD()
     rows = shard_of(num_classes, rank, world_size).count
-    dtype = "float16" if fp16_centers else "float32"
+    dtype = center_dtype(fp16_centers)
     states = optimizer.states(embedding_size, dtype).values()
     row_bytes = (embedding_size * np.dtype(dtype).itemsize
                  + sum(width * np.dtype(state_dtype).itemsize for width, state_dtype in states))

@@ -427,11 +427,11 @@ def resume(checkpoint: Path, net, trainer, pfc: PartialFC, world: dist.World,
     saved_margin = meta.get("margin", {"name": "combined", "state": {}})
     if saved_margin["name"] == pfc.margin.name:  # another margin starts its own state afresh
         pfc.margin.load_state_dict(saved_margin["state"])
-    if meta["world_size"] == world.size:
-        sampler = json.loads((checkpoint / sampler_file(world.rank)).read_text())
-        load_centers(checkpoint, meta, pfc, with_states=True, sampler=sampler)
-    else:
-        load_centers(checkpoint, meta, pfc, with_states=True)
+    same_world = meta["world_size"] == world.size
+    sampler = (json.loads((checkpoint / sampler_file(world.rank)).read_text())
+               if same_world else None)
+    load_centers(checkpoint, meta, pfc, with_states=True, sampler=sampler)
+    if not same_world:
         pfc.centers.restart_sampler(pfc.seed, world.rank, state.step)
     return state
 

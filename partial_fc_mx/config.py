@@ -134,7 +134,6 @@ class Config:
 
     def validate(self) -> None:
         """Reject values that would fail later, far from their cause, or on one rank."""
-        from . import center_optimizers
         from .backbones import unknown_network
 
         positive = ("num_classes", "embedding_size", "batch_size", "lr", "num_epoch",
@@ -160,9 +159,10 @@ class Config:
             problems.append(f"network: {problem}")
         if self.optimizer not in ("sgd", "adamw"):
             problems.append(f"optimizer={self.optimizer!r} must be 'sgd' or 'adamw'")
-        if self.center_optimizer not in center_optimizers.available():
-            problems.append(f"center_optimizer={self.center_optimizer!r} must be one of "
-                            f"{center_optimizers.available()}")
+        try:
+            self.centers_optimizer()
+        except ValueError as error:
+            problems.append(str(error))
         if not self.center_lazy_update and self.fp16_centers:
             problems.append("center_lazy_update=False needs float32 centers "
                             "(fp16_centers=False): the dense update is float32 only")

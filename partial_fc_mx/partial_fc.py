@@ -24,7 +24,7 @@ import numpy as np
 
 from .center_optimizers import CenterOptimizer
 from .center_optimizers.sgd import SGD
-from .centers import ClassCenters, num_sample, shard_of
+from .centers import ClassCenters, center_dtype, num_sample, shard_of
 from .margins import Margin
 from .margins.combined import CombinedMargin
 from .sampling import sample_excluding
@@ -81,7 +81,7 @@ class PartialFC:
         self.centers = ClassCenters(
             shard_of(num_classes, rank, world_size), embedding_size,
             optimizer or SGD(momentum=momentum, weight_decay=weight_decay), ctx=self.ctx,
-            dtype="float16" if fp16_centers else "float32", seed=seed, rank=rank,
+            dtype=center_dtype(fp16_centers), seed=seed, rank=rank,
             lazy=lazy_update)
         self.shard = self.centers.shard
         self.num_sample = num_sample(self.shard.count, sample_rate)
@@ -126,12 +126,13 @@ class PartialFC:
             x_norm = mx.nd.norm(x, axis=1, keepdims=True)
             x_norm_inv = 1 / x_norm
             x_hat = x * x_norm_inv
-            self.margin.observe(x_norm.reshape(-1))
+            norms = x_norm.reshape(-1)
+            self.margin.observe(norms)
             w = self.centers.sampled_weights(index)
         with self.timer.phase("gemm"):
             gram = self._gram(x_hat, w)
         with self.timer.phase("compute"):
-            logits, targets, col_scale = self._logits(gram, w, x_norm, target_col)
+            logits, targets, col_scale = self._logits(gram, w, norms, target_col)
         with self.timer.phase("communication"):
             row_max = hvd.allreduce(logits.max(axis=1), op=hvd.Max, name="pfc.max")
         with self.timer.phase("compute"):
@@ -252,15 +253,14 @@ class PartialFC:
         with mx.autograd.record():
             return mx.nd.FullyConnected(x_hat, w, num_hidden=w.shape[0], no_bias=True)
 
-    def _logits(self, gram, w, x_norm, target_col: np.ndarray) -> tuple:
+    def _logits(self, gram, w, norms, target_col: np.ndarray) -> tuple:
         """Scaled cosines with the margin on the targets in this shard."""
         col_scale = self.margin.scale / mx.nd.sqrt(row_sums(mx.nd.square(w)))  # s / |w_j|
         logits = mx.nd.broadcast_mul(gram, col_scale.reshape((1, -1)))
         targets = Targets.of(target_col, self.ctx)
         if targets.rows is not None:
             cos = mx.nd.gather_nd(logits, targets.where) / self.margin.scale
-            norms = mx.nd.take(x_norm.reshape(-1), targets.rows)
-            targets.logits, targets.slopes = self.margin(cos, norms)
+            targets.logits, targets.slopes = self.margin(cos, mx.nd.take(norms, targets.rows))
             set_entries(logits, targets.where, targets.logits)
         return logits, targets, col_scale
 
