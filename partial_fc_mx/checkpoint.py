@@ -43,13 +43,14 @@ import numpy as np
 
 from . import dist, durable
 from .centers import shard_of
+from .errors import UserError
+from .evaluation.validator import Validator
 from .optimizers import load_trainer_state, save_trainer_state
 from .partial_fc import PartialFC
 from .precision import all_finite
 
 CHECKPOINTS = "checkpoints"
 BACKBONE, OPTIMIZER, META = "backbone.params", "backbone_optimizer.npz", "meta.json"
-BEST = "backbone-best.json"
 FORMAT = 3  # meta.json's "format": bumped when the layout above changes
 SGD_STATES = ["mom"]
 """The center states of a checkpoint whose meta.json names none (formats 1 and 2)."""
@@ -68,9 +69,6 @@ class TrainState:
     reference_batch: int = 0
     """The global batch the run started with; max_steps and lr_steps count its steps."""
     loss_scale: float = 1.0
-    best_accuracy: float = -1.0
-    """Best mean verification accuracy so far (backbone-best-*), and its step."""
-    best_step: int = 0
 
     def advance(self, global_batch: int, epoch_images: int, steps: int = 1) -> None:
         """Count `steps` global batches as trained on; once no full global batch is
@@ -81,7 +79,7 @@ class TrainState:
             self.epoch, self.images_in_epoch = self.epoch + 1, 0
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint that cannot be written or used; the message says why."""
 
 
@@ -125,7 +123,7 @@ def plain_name(name) -> str:
 
 # ----- saving -----
 def save(work_dir: Path, state: TrainState, net, trainer, pfc: PartialFC,
-         world: dist.World, keep: int) -> Path:
+         validator: Validator, world: dist.World, keep: int) -> Path:
     """Write a checkpoint of `state` on every rank; returns its directory. Any rank's
     failure (a full disk, a non-finite weight) is raised on every rank."""
     refuse_non_finite(net, pfc, state.step, work_dir)
@@ -152,6 +150,7 @@ def save(work_dir: Path, state: TrainState, net, trainer, pfc: PartialFC,
                 "margin": {"name": pfc.margin.name, "state": pfc.margin.state_dict()},
                 "center_optimizer": pfc.centers.optimizer.name,
                 "center_states": sorted(pfc.centers.states),
+                "validator": validator.state_dict(),
                 "files": dict(sorted(table.items()))}
         durable.write_file(partial / META, lambda f: f.write(json.dumps(meta, indent=1)
                                                              .encode()))
@@ -259,24 +258,6 @@ def save_backbone(net, prefix: str | os.PathLike) -> None:
     net.export(str(tmp), epoch=0)
     for suffix in ("-symbol.json", "-0000.params"):
         durable.replace(f"{tmp}{suffix}", f"{prefix}{suffix}")
-
-
-def save_best(net, work_dir: Path, accuracy: float, step: int) -> None:
-    """backbone-best-* and backbone-best.json (its accuracy and step): the record
-    survives a crash before the next checkpoint, so a resume never replaces the best
-    model by a worse one."""
-    save_backbone(net, Path(work_dir) / "backbone-best")
-    record = json.dumps({"accuracy": accuracy, "step": step})
-    durable.write_atomically(Path(work_dir) / BEST, lambda tmp: tmp.write_text(record))
-
-
-def best_on_disk(work_dir: Path) -> tuple[float, int]:
-    """(accuracy, step) of work_dir's backbone-best-*, (-1, 0) when there is none."""
-    try:
-        record = json.loads((Path(work_dir) / BEST).read_text())
-        return float(record["accuracy"]), int(record["step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return -1.0, 0
 
 
 # ----- verifying -----
@@ -416,8 +397,8 @@ def saved_rows(path: Path, shape: tuple) -> np.ndarray:
     return rows
 
 
-def resume(checkpoint: Path, net, trainer, pfc: PartialFC, world: dist.World,
-           ctx: mx.Context) -> TrainState:
+def resume(checkpoint: Path, net, trainer, pfc: PartialFC, validator: Validator,
+           world: dist.World, ctx: mx.Context) -> TrainState:
     """Everything back as it was saved; the sampler continues its stream when the world
     size is unchanged, else each rank starts a fresh stream from (seed, rank, step)."""
     meta = read_meta(checkpoint, pfc)
@@ -427,6 +408,8 @@ def resume(checkpoint: Path, net, trainer, pfc: PartialFC, world: dist.World,
     saved_margin = meta.get("margin", {"name": "combined", "state": {}})
     if saved_margin["name"] == pfc.margin.name:  # another margin starts its own state afresh
         pfc.margin.load_state_dict(saved_margin["state"])
+    validator.load_state_dict(meta.get("validator", {  # written before validators existed
+        "best_accuracy": meta.get("best_accuracy", -1.0), "best_step": meta.get("best_step", 0)}))
     same_world = meta["world_size"] == world.size
     sampler = (json.loads((checkpoint / sampler_file(world.rank)).read_text())
                if same_world else None)

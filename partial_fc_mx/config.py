@@ -20,13 +20,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .errors import UserError
+
 if TYPE_CHECKING:
     from .center_optimizers import CenterOptimizer
     from .data.augment import Augmentation
     from .margins import Margin
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config file or override that cannot be used; the message says how to fix it."""
 
 

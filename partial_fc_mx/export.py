@@ -18,11 +18,16 @@ import numpy as np
 import onnx
 
 from . import durable
-from .data.recordio import DataError
+from .data import DataError
 from .data.transforms import FACE_SIZE
 from .evaluation.verification import mxnet_forward, onnx_forward
 
 SYMBOL, PARAMS = "backbone-symbol.json", "backbone-0000.params"
+
+
+class ExportError(DataError):
+    """A backbone that cannot be exported or an ONNX file that cannot be used (a data
+    error too: the message names the file)."""
 
 
 def backbone_files(work_dir: str | os.PathLike) -> tuple[str, str]:
@@ -30,7 +35,7 @@ def backbone_files(work_dir: str | os.PathLike) -> tuple[str, str]:
     work_dir = Path(work_dir)
     for name in (SYMBOL, PARAMS):
         if not (work_dir / name).is_file():
-            raise DataError(f"{work_dir} has no {name}: not a work dir with a saved backbone "
+            raise ExportError(f"{work_dir} has no {name}: not a work dir with a saved backbone "
                             "(training writes it at every checkpoint)")
     return str(work_dir / SYMBOL), str(work_dir / PARAMS)
 
@@ -67,11 +72,11 @@ def onnx_session(path: str | os.PathLike):
     import onnxruntime
 
     if not Path(path).is_file():
-        raise DataError(f"ONNX file {path} does not exist")
+        raise ExportError(f"ONNX file {path} does not exist")
     try:
         return onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     except Exception as error:
-        raise DataError(f"{path} is not a loadable ONNX model: {error}") from error
+        raise ExportError(f"{path} is not a loadable ONNX model: {error}") from error
 
 
 def parity(work_dir: str | os.PathLike, batch: int = 4, seed: int = 0) -> float:
@@ -98,12 +103,12 @@ def check_onnx(path: str | os.PathLike, runs: int = 20, max_mb: float = 0.0,
     session = onnx_session(path)
     inputs = session.get_inputs()
     if len(inputs) != 1:
-        raise DataError(f"{path} has {len(inputs)} inputs; a face backbone takes one image "
+        raise ExportError(f"{path} has {len(inputs)} inputs; a face backbone takes one image "
                         "tensor")
     shape = inputs[0].shape
     expected = [3, FACE_SIZE, FACE_SIZE]
     if len(shape) != 4 or list(shape[1:]) != expected or inputs[0].type != "tensor(float)":
-        raise DataError(f"{path} takes {inputs[0].type} of shape {shape}; expected float "
+        raise ExportError(f"{path} takes {inputs[0].type} of shape {shape}; expected float "
                         f"N x 3 x {FACE_SIZE} x {FACE_SIZE}")
     x = np.random.default_rng(0).standard_normal((1, 3, FACE_SIZE, FACE_SIZE), dtype=np.float32)
     forward = onnx_forward(session)

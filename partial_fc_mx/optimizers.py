@@ -19,6 +19,8 @@ import os
 import mxnet as mx
 import numpy as np
 
+from .errors import UserError
+
 
 class AdamW(mx.optimizer.Optimizer):
     """Used as an instance (train.make_trainer), not registered by name: registering
@@ -46,7 +48,7 @@ class AdamW(mx.optimizer.Optimizer):
             wd=self._get_wd(index), clip_gradient=self.clip_gradient or -1, out=weight)
 
 
-class OptimizerStateError(ValueError):
+class OptimizerStateError(UserError, ValueError):
     """An optimizer state file that cannot be loaded into this trainer."""
 
 

@@ -25,12 +25,13 @@ import numpy as np
 from .center_optimizers import CenterOptimizer
 from .center_optimizers.sgd import SGD
 from .centers import ClassCenters, center_dtype, num_sample, shard_of
+from .errors import UserError
 from .margins import Margin
 from .margins.combined import CombinedMargin
 from .sampling import sample_excluding
 
 
-class PartialFCInputError(ValueError):
+class PartialFCInputError(UserError, ValueError):
     """Bad labels or embeddings on some rank; raised identically on every rank."""
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .data.recordio import DataError
+from .data import DataError
 from .metrics import METRICS, read_metrics
 
 

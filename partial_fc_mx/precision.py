@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import mxnet as mx
 
+from .errors import UserError
 
-class PrecisionError(ValueError):
-    pass
+
+class PrecisionError(UserError, ValueError):
+    """A precision the device cannot run (fp16 on a CPU)."""
 
 
 def all_finite(arrays: list) -> bool:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import horovod.mxnet as hvd
@@ -30,29 +30,27 @@ from . import checkpoint, dist, workdir
 from .backbones import get_model
 from .check import dataset_disagreement_across_ranks
 from .checkpoint import CheckpointError, TrainState
-from .config import Config, ConfigError
+from .config import Config
+from .data import DataError
 from .data.loader import Batch, FaceLoader, RandomLoader, in_step
-from .data.recordio import DataError, RecordDataset
+from .data.recordio import RecordDataset
 from .data.source import make_loader, open_dataset
 from .data.transforms import FACE_SIZE
+from .errors import UserError
 from .evaluation.baseline import eigenfaces_accuracy
-from .evaluation.verification import load_bin, mxnet_forward, verify
+from .evaluation.validator import Validator
+from .evaluation.verification import load_bin, mxnet_forward
 from .export import export_onnx
 from .interrupts import StopRequest, Watchdog
 from .optimizers import AdamW, OptimizerStateError
-from .partial_fc import PartialFC, PartialFCInputError
-from .precision import LossScaler, PrecisionError, to_float16
+from .partial_fc import PartialFC
+from .precision import LossScaler, to_float16
 from .schedule import Plan
 from .training_log import TrainingLog
 
 
-class TrainingError(RuntimeError):
+class TrainingError(UserError, RuntimeError):
     """Training cannot go on (e.g. a non-finite loss); the message says why."""
-
-
-USER_ERRORS = (ConfigError, DataError, CheckpointError, OptimizerStateError, PrecisionError,
-               PartialFCInputError, TrainingError, workdir.WorkDirError)
-"""Errors caused by the input (files, values), reported as one message, not a traceback."""
 
 
 @dataclass
@@ -68,13 +66,11 @@ class Run:
     net: mx.gluon.HybridBlock
     pfc: PartialFC
     trainer: mx.gluon.Trainer
-    validation: list
+    validator: Validator
     state: TrainState
     plan: Plan
     scaler: LossScaler
     log: TrainingLog
-    accuracy: dict = field(default_factory=dict)
-    """The last verification accuracy of each set (rank 0)."""
 
 
 def train(config: Config, resume_from: str | None = None, load_from: str | None = None) -> int:
@@ -166,7 +162,7 @@ def finish(run: Run, trained: bool) -> None:
         run.log.info(f"nothing left to train: step {run.state.step} is the end of the run")
         if run.config.val_targets:
             evaluate(run)
-    if run.validation and run.config.report_baseline:
+    if run.validator.sets and run.config.report_baseline:
         report_baseline(run)
 
 
@@ -187,29 +183,14 @@ def start(config: Config, resume_from: str | None, load_from: str | None) -> Run
     world = dist.init()
     ctx = dist.device(world.local_rank)
     mx.random.seed(config.seed)
-
-    def prepare() -> tuple:  # local work only: no collective until every rank is through
-        config.check_world_size(world.size)
-        work_dir = workdir.create(config.output)
-        dataset = open_dataset(config)
-        loader = make_loader(config, world, dataset)
-        validation = [load_bin(p) for p in config.val_paths()] if world.is_main else []
-        net = build_backbone(config, ctx)
-        pfc = PartialFC(config.num_classes, config.embedding_size, rank=world.rank,
-                        world_size=world.size, ctx=ctx, sample_rate=config.sample_rate,
-                        margin=config.margin_function(),
-                        fp16_centers=config.fp16_centers, seed=config.seed,
-                        lazy_update=config.center_lazy_update,
-                        optimizer=config.centers_optimizer())
-        return work_dir, dataset, loader, validation, net, pfc, make_trainer(config, net)
-
-    work_dir, dataset, loader, validation, net, pfc, trainer = dist.run_agreed(
-        prepare, "start", USER_ERRORS, TrainingError, "start-up failed")
+    work_dir, dataset, loader, validator, net, pfc, trainer = dist.run_agreed(
+        lambda: build(config, world, ctx), "start", (UserError,), TrainingError,
+        "start-up failed")
     workdir.check_shared(work_dir, world)
     if problem := dataset_disagreement_across_ranks(
             dataset.records.fingerprint() if dataset is not None else None):
         raise DataError(problem)
-    state, notes = restore(config, world, ctx, work_dir, net, trainer, pfc,
+    state, notes = restore(config, world, ctx, work_dir, net, trainer, pfc, validator,
                            resume_from, load_from)
     dist.broadcast_parameters(net.collect_params(), root_rank=0)
     plan = Plan.of(loader.num_images, state.reference_batch, config.num_epoch,
@@ -218,16 +199,39 @@ def start(config: Config, resume_from: str | None, load_from: str | None) -> Run
     total = state.step + plan.steps_left(state.epoch, state.images_in_epoch, loader.global_batch)
     log = TrainingLog(work_dir, world.is_main, total, loader.global_batch, config.frequent,
                       first_step=state.step)
-    for note in notes:
+    for note in [*notes, describe(config, world, ctx, loader, state, total)]:
         log.info(note)
-    log.info(f"training {config.network} on {config.rec}: {config.num_classes} classes, "
-             f"{world.size} processes on {ctx}, {len(loader)} steps per epoch, "
-             f"{total} steps" + (f", resumed at step {state.step} (epoch {state.epoch}, "
-                                 f"{state.images_in_epoch} images into it)"
-                                 if state.step else ""))
     scaler = LossScaler(dynamic=config.fp16, scale=state.loss_scale if resume_from else 2.0**16)
-    return Run(config, world, ctx, work_dir, dataset, loader, net, pfc, trainer, validation,
+    return Run(config, world, ctx, work_dir, dataset, loader, net, pfc, trainer, validator,
                state, plan, scaler, log)
+
+
+def build(config: Config, world: dist.World, ctx: mx.Context) -> tuple:
+    """The run's parts, from local work only: no collective, so a rank that fails here
+    cannot leave the others waiting."""
+    config.check_world_size(world.size)
+    work_dir = workdir.create(config.output)
+    dataset = open_dataset(config)
+    loader = make_loader(config, world, dataset)
+    validator = Validator([load_bin(p) for p in config.val_paths()] if world.is_main else [],
+                          work_dir)
+    net = build_backbone(config, ctx)
+    pfc = PartialFC(config.num_classes, config.embedding_size, rank=world.rank,
+                    world_size=world.size, ctx=ctx, sample_rate=config.sample_rate,
+                    margin=config.margin_function(), fp16_centers=config.fp16_centers,
+                    seed=config.seed, lazy_update=config.center_lazy_update,
+                    optimizer=config.centers_optimizer())
+    return work_dir, dataset, loader, validator, net, pfc, make_trainer(config, net)
+
+
+def describe(config: Config, world: dist.World, ctx: mx.Context, loader, state: TrainState,
+             total: int) -> str:
+    """The log's first line about the run: what trains where, and from which point."""
+    resumed = (f", resumed at step {state.step} (epoch {state.epoch}, "
+               f"{state.images_in_epoch} images into it)" if state.step else "")
+    return (f"training {config.network} on {config.rec}: {config.num_classes} classes, "
+            f"{world.size} processes on {ctx}, {len(loader)} steps per epoch, "
+            f"{total} steps{resumed}")
 
 
 def build_backbone(config: Config, ctx: mx.Context):
@@ -255,7 +259,7 @@ def make_trainer(config: Config, net) -> mx.gluon.Trainer:
 
 
 def restore(config: Config, world: dist.World, ctx: mx.Context, work_dir: Path, net, trainer,
-            pfc: PartialFC, resume_from: str | None,
+            pfc: PartialFC, validator: Validator, resume_from: str | None,
             load_from: str | None) -> tuple[TrainState, list[str]]:
     """The state to start from and notes for the log: a checkpoint's (--resume-from),
     or step 0, with a checkpoint's weights (--load-from) or fresh ones. Checkpoints in
@@ -269,11 +273,7 @@ def restore(config: Config, world: dist.World, ctx: mx.Context, work_dir: Path, 
             if not resume_from:
                 checkpoint.load_weights(path, net, pfc, ctx)
                 return state
-            resumed = checkpoint.resume(path, net, trainer, pfc, world, ctx)
-            best = max((resumed.best_accuracy, resumed.best_step),
-                       checkpoint.best_on_disk(work_dir))
-            resumed.best_accuracy, resumed.best_step = best
-            return resumed
+            return checkpoint.resume(path, net, trainer, pfc, validator, world, ctx)
 
         state = dist.run_agreed(load, "restore", (CheckpointError, OptimizerStateError),
                                 CheckpointError, f"cannot load {path}")
@@ -320,8 +320,8 @@ def save(run: Run, export: bool = True) -> None:
     checkpoint, so a failed export is a warning, not the end of the run."""
     run.state.loss_scale = run.scaler.scale
     start_time = time.time()
-    path = checkpoint.save(run.work_dir, run.state, run.net, run.trainer, run.pfc, run.world,
-                           run.config.keep_checkpoints)
+    path = checkpoint.save(run.work_dir, run.state, run.net, run.trainer, run.pfc,
+                           run.validator, run.world, run.config.keep_checkpoints)
     if not run.world.is_main:
         return
     exported = ""
@@ -337,22 +337,20 @@ def evaluate(run: Run) -> None:
     """Every rank calls it; rank 0 logs every set's accuracy and exports the backbone
     as backbone-best-* whenever the mean accuracy beats the best so far (which the
     checkpoints and backbone-best.json keep). A failure stops every rank."""
-    state, log = run.state, run.log
+    step, log = run.state.step, run.log
 
     def on_main() -> None:
-        for dataset in run.validation:
-            result = verify(mxnet_forward(run.net, run.ctx), dataset)
-            run.accuracy[dataset.name] = result.accuracy
-            log.evaluation(dataset.name, state.step, result)
-        mean = sum(run.accuracy.values()) / len(run.accuracy)
-        if state.step > 0 and mean > state.best_accuracy:
-            state.best_accuracy, state.best_step = mean, state.step
-            checkpoint.save_best(run.net, run.work_dir, mean, state.step)
-            log.info(f"best mean verification accuracy so far: {mean:.5f} at step "
-                     f"{state.step}; saved {run.work_dir}/backbone-best-*")
+        results = run.validator.evaluate(mxnet_forward(run.net, run.ctx), step)
+        for name, result in results.items():
+            log.evaluation(name, step, result)
+        best = run.validator.keep_if_best(step, lambda prefix: checkpoint.save_backbone(
+            run.net, prefix))
+        if best is not None:
+            log.info(f"best mean verification accuracy so far: {best:.5f} at step "
+                     f"{step}; saved {run.work_dir}/backbone-best-*")
 
-    dist.run_agreed(on_main, "evaluate", USER_ERRORS, TrainingError,
-                    f"evaluation at step {state.step} failed", on=run.world.is_main)
+    dist.run_agreed(on_main, "evaluate", (UserError,), TrainingError,
+                    f"evaluation at step {step} failed", on=run.world.is_main)
 
 
 def report_baseline(run: Run) -> None:
@@ -361,6 +359,6 @@ def report_baseline(run: Run) -> None:
         return
     sample = FaceLoader(run.dataset, min(len(run.dataset), 2000), mirror=False, seed=0)
     train_images = next(iter(sample.epoch(0))).images
-    for pairs in run.validation:
+    for pairs in run.validator.sets:
         baseline = eigenfaces_accuracy(train_images, pairs)
-        run.log.baseline(pairs.name, run.accuracy[pairs.name], baseline.accuracy)
+        run.log.baseline(pairs.name, run.validator.accuracy[pairs.name], baseline.accuracy)

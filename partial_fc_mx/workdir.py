@@ -19,12 +19,13 @@ import uuid
 from pathlib import Path
 
 from . import dist
+from .errors import UserError
 
 VISIBILITY_WAIT = 10.0
 """Seconds a rank waits for the other ranks' tokens (network file systems may lag)."""
 
 
-class WorkDirError(ValueError):
+class WorkDirError(UserError, ValueError):
     """A work dir that cannot be used; the message says how to fix it."""
 
 

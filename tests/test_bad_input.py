@@ -101,3 +101,29 @@ def test_a_list_with_a_label_that_is_not_a_class_id_names_the_line(tmp_path, lab
     assert f"error: {lst} line 2: label {shown} is not a class id (a whole number >= 0)" \
         in result.stdout
     assert not (tmp_path / "out" / "train.rec").exists()
+
+
+def test_every_error_users_see_is_one_kind_printed_as_a_message(tmp_path):
+    """Each concept raises its own error from its own module, all of one base: the
+    command line prints the message (naming the file) and exits 2, no traceback."""
+    from partial_fc_mx.checkpoint import CheckpointError
+    from partial_fc_mx.config import ConfigError
+    from partial_fc_mx.data import DataError
+    from partial_fc_mx.errors import UserError
+    from partial_fc_mx.export import ExportError
+    from partial_fc_mx.optimizers import OptimizerStateError
+    from partial_fc_mx.partial_fc import PartialFCInputError
+    from partial_fc_mx.precision import PrecisionError
+    from partial_fc_mx.train import TrainingError
+    from partial_fc_mx.workdir import WorkDirError
+
+    for error in (CheckpointError, ConfigError, DataError, ExportError, OptimizerStateError,
+                  PartialFCInputError, PrecisionError, TrainingError, WorkDirError):
+        assert issubclass(error, UserError), error
+    missing = tmp_path / "no-such-run"
+    result = run(python_module("export", str(missing)))
+    assert result.returncode == 2, result.stdout[-3000:]
+    assert errors(result.stdout) == [f"{missing} has no backbone-symbol.json: not a work dir "
+                                     "with a saved backbone (training writes it at every "
+                                     "checkpoint)"]
+    assert "Traceback" not in result.stdout

@@ -159,6 +159,7 @@ def test_a_crafted_state_file_is_refused_and_runs_nothing(tmp_path, synthetic, t
 
 @pytest.mark.parametrize("record, best, replaced", [
     ("meta.json", 1.01, False),           # the checkpoint keeps the best accuracy
+    ("older meta.json", 1.01, False),     # where checkpoints before validators kept it
     ("backbone-best.json", 1.01, False),  # a best found after the last checkpoint
     ("meta.json", 0.0, True),             # and a better model does replace it
 ])
@@ -167,12 +168,18 @@ def test_a_resume_replaces_the_best_model_only_by_a_better_one(tmp_path, synthet
     work = copy_of(trained, tmp_path)
     newest = work / "checkpoints" / "step_000004"
     meta = json.loads((newest / "meta.json").read_text())
-    assert meta["best_step"] in (2, 4) and 0 < meta["best_accuracy"] <= 1
+    kept = meta["validator"]
+    assert kept["best_step"] in (2, 4) and 0 < kept["best_accuracy"] <= 1
     on_disk = json.loads((work / "backbone-best.json").read_text())
-    assert on_disk == {"accuracy": meta["best_accuracy"], "step": meta["best_step"]}
+    assert on_disk == {"accuracy": kept["best_accuracy"], "step": kept["best_step"]}
     if record == "meta.json":
-        (newest / "meta.json").write_text(json.dumps({**meta, "best_accuracy": best}))
-        (work / "backbone-best.json").write_text(json.dumps({"accuracy": best, "step": 0}))
+        meta["validator"]["best_accuracy"] = best
+    elif record == "older meta.json":
+        meta = {**{k: v for k, v in meta.items() if k != "validator"}, **kept,
+                "best_accuracy": best}
+    if record.endswith("meta.json"):  # the checkpoint alone knows the best
+        (newest / "meta.json").write_text(json.dumps(meta))
+        (work / "backbone-best.json").unlink()
     else:
         (work / "backbone-best.json").write_text(json.dumps({"accuracy": best, "step": 3}))
     model = work / "backbone-best-0000.params"
@@ -186,9 +193,9 @@ def test_a_resume_replaces_the_best_model_only_by_a_better_one(tmp_path, synthet
     assert ("best mean" in text) == replaced and (model.read_bytes() != before) == replaced
     final = json.loads((work / "checkpoints" / "step_000008" / "meta.json").read_text())
     if not replaced:
-        assert final["best_accuracy"] == 1.01
+        assert final["validator"]["best_accuracy"] == 1.01
     else:
-        assert final["best_step"] in (6, 8) and final["best_accuracy"] > 0
+        assert final["validator"]["best_step"] in (6, 8) and final["validator"]["best_accuracy"] > 0
 
 
 def test_resuming_an_older_checkpoint_moves_the_newer_ones_aside(tmp_path, synthetic, trained):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from onnx import TensorProto, helper
 from partial_fc_mx.backbones import get_model
 from partial_fc_mx.data.recordio import DataError
 from partial_fc_mx.data.transforms import encode_jpeg
+from partial_fc_mx.evaluation.validator import Validator
 from partial_fc_mx.evaluation.verification import (
     best_threshold,
     embed,
@@ -116,6 +118,45 @@ def test_each_distinct_face_is_embedded_once_with_the_same_result(tmp_path):
     expected = ten_fold_accuracy(pair_similarities(every_image), np.asarray(issame))
     assert result.accuracy == expected.accuracy and result.threshold == pytest.approx(
         expected.threshold, abs=1e-5)
+
+
+def test_the_validator_keeps_the_best_model_and_its_record_across_a_resume(tmp_path):
+    """Only a better mean accuracy after step 0 replaces backbone-best-*; the record
+    follows the model; a resume takes the checkpoint's best or the record's, whichever
+    is better, and ignores a record it cannot read."""
+    rng = np.random.default_rng(5)
+    faces = [encode_jpeg(rng.integers(0, 256, (112, 112, 3), np.uint8)) for _ in range(4)]
+    picks = rng.integers(0, 4, 40)
+    sets = [load_bin(write_bin(tmp_path / f"{name}.bin", [faces[i] for i in picks],
+                               (picks[0::2] == picks[1::2]).tolist())) for name in "ab"]
+    validator = Validator(sets, tmp_path)
+    projection = rng.standard_normal((3 * 112 * 112, 8)).astype(np.float32)
+
+    def forward(batch):
+        return batch.reshape(len(batch), -1) @ projection
+
+    results = validator.evaluate(forward, step=0)
+    assert list(results) == ["a", "b"] and results["a"] == verify(forward, sets[0])
+    assert validator.accuracy == {"a": results["a"].accuracy, "b": results["b"].accuracy}
+    saved = []
+    assert validator.keep_if_best(0, saved.append) is None and saved == []  # untrained
+    validator.accuracy = {"a": 0.6, "b": 0.8}
+    assert validator.keep_if_best(2, saved.append) == pytest.approx(0.7)
+    assert saved == [tmp_path / "backbone-best"]
+    record = tmp_path / "backbone-best.json"
+    assert json.loads(record.read_text()) == {"accuracy": pytest.approx(0.7), "step": 2}
+    validator.accuracy = {"a": 0.9, "b": 0.5}  # equal mean: not better
+    assert validator.keep_if_best(4, saved.append) is None and len(saved) == 1
+    assert validator.state_dict() == {"best_accuracy": pytest.approx(0.7), "best_step": 2}
+
+    resumed = Validator([], tmp_path)
+    resumed.load_state_dict({"best_accuracy": 0.65, "best_step": 1})
+    assert (resumed.best_accuracy, resumed.best_step) == (pytest.approx(0.7), 2)  # record's
+    resumed.load_state_dict({"best_accuracy": 0.75, "best_step": 3})
+    assert (resumed.best_accuracy, resumed.best_step) == (0.75, 3)  # the checkpoint's
+    record.write_text("{half a rec")
+    resumed.load_state_dict({"best_accuracy": 0.65, "best_step": 1})
+    assert (resumed.best_accuracy, resumed.best_step) == (0.65, 1)
 
 
 @pytest.mark.parametrize("pairs", [0, 1, 9])

@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import dist
+from . import DataError
 from .augment import Augmentation
-from .recordio import DataError, RecordDataset, valid_class_ids
+from .recordio import RecordDataset, valid_class_ids
 from .transforms import FACE_SIZE, decode_face, decode_in_workers, to_network_input
 
 log = logging.getLogger(__name__)

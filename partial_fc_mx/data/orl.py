@@ -18,8 +18,8 @@ from pathlib import Path
 import cv2
 import numpy as np
 
+from . import DataError
 from .pack import PackReport, write_records
-from .recordio import DataError
 from .transforms import FACE_SIZE, encode_jpeg
 from .verification_set import sample_pairs, write_verification_bin
 

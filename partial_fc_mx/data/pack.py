@@ -17,7 +17,7 @@ import cv2
 import mxnet as mx
 import numpy as np
 
-from .recordio import DataError
+from . import DataError
 from .transforms import FACE_SIZE, center_square, encode_jpeg
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".pgm", ".ppm", ".webp", ".tif", ".tiff"}

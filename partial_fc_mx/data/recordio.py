@@ -22,13 +22,11 @@ from pathlib import Path
 import mxnet as mx
 import numpy as np
 
+from . import DataError
+
 MAGIC = 0xCED7230A
 _MAGIC_BYTES = struct.pack("<I", MAGIC)
 _LENGTH_MASK = (1 << 29) - 1
-
-
-class DataError(ValueError):
-    """A dataset that cannot be used as it is; the message names the file and record."""
 
 
 def valid_class_ids(labels, num_classes: int):

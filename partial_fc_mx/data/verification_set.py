@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import durable
-from .recordio import DataError
+from . import DataError
 
 # What an insightface .bin may reference: `_codecs.encode` turns Python 2 strings
 # into bytes; the numpy entries rebuild arrays and scalars from raw bytes.

@@ -15,7 +15,7 @@ from pathlib import Path
 import mxnet as mx
 import numpy as np
 
-from ..data.recordio import DataError
+from ..data import DataError
 from ..data.transforms import decode_face, to_network_input
 from ..data.verification_set import read_verification_bin
 

@@ -1,0 +1,6 @@
+"""Benchmarks that print figures: `python -m partial_fc_mx.bench {pfc,ops,data,save}`.
+
+One module per benchmark, each with `add_command(commands)` for the command line.
+Launch `pfc` under horovodrun or mpirun like training. Every comparison is measured
+in the same run (ratios), because the machines these run on are shared and noisy.
+"""

@@ -1,0 +1,144 @@
+"""One Partial FC step: time, its phases, GEMM speed against numpy's, memory against
+the theory, and step time at several class counts with the same number of sampled
+centers.
+
+    horovodrun -np 2 -H localhost:2 python -m partial_fc_mx.bench pfc \\
+        --classes 1000000 --sample-rate 0.1 --batch-size 128 --embedding-size 512
+    horovodrun -np 2 -H localhost:2 python -m partial_fc_mx.bench pfc \\
+        --classes 100000 2000000 --num-sample 25000
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import mxnet as mx
+import numpy as np
+import psutil
+
+from .. import dist
+from ..centers import estimate_memory, shard_of
+from ..partial_fc import PartialFC
+from .timing import MiB, PeakRSS, PhaseTimer
+
+
+def add_command(commands) -> None:
+    pfc = commands.add_parser("pfc", help="one Partial FC step: time, GEMM speed, memory")
+    pfc.set_defaults(func=run)
+    pfc.add_argument("--classes", type=int, nargs="+", default=[1_000_000])
+    pfc.add_argument("--sample-rate", type=float, default=0.1)
+    pfc.add_argument("--num-sample", type=int, default=0,
+                     help="sampled centers per rank, overriding --sample-rate (to compare "
+                          "class counts at the same sample)")
+    pfc.add_argument("--batch-size", type=int, default=128, help="per rank")
+    pfc.add_argument("--embedding-size", type=int, default=512)
+    pfc.add_argument("--steps", type=int, default=5)
+    pfc.add_argument("--warmup", type=int, default=2)
+
+
+def run(args: argparse.Namespace) -> None:
+    world = dist.init()
+    ctx = dist.device(world.local_rank)
+    results = []
+    for num_classes in sorted(args.classes):
+        results.append(bench_config(world, ctx, num_classes, args))
+        mx.nd.waitall()
+    peak = numpy_sgemm_gflops(args.batch_size * world.size, results[-1]["sampled"],
+                              args.embedding_size, alone=world.local_rank == 0)
+    everyone = dist.allgather_object((results, peak, world.local_size), name="bench.results")
+    if world.is_main:
+        print_report(args, world, everyone)
+
+
+def numpy_sgemm_gflops(rows: int, cols: int, depth: int, alone: bool, repeats: int = 5) -> float:
+    """The host's float32 GEMM speed on the forward GEMM's shape (numpy, all cores).
+
+    Only the first rank of each host measures (`alone`); the others wait, so the
+    figure is the whole host's peak, to compare with the sum over its ranks.
+    """
+    times = []
+    if alone:
+        a = np.random.default_rng(0).standard_normal((rows, depth), dtype=np.float32)
+        b = np.random.default_rng(1).standard_normal((cols, depth), dtype=np.float32)
+        for _ in range(repeats):
+            start = time.perf_counter()
+            a @ b.T
+            times.append(time.perf_counter() - start)
+    dist.barrier("bench")
+    return 2 * rows * cols * depth / statistics.median(times) / 1e9 if alone else 0.0
+
+
+def bench_config(world: dist.World, ctx: mx.Context, num_classes: int, args) -> dict:
+    """Median step time, phase split and memory for one class count."""
+    sample_rate = args.sample_rate
+    shard_rows = shard_of(num_classes, world.rank, world.size).count
+    if args.num_sample:
+        sample_rate = min(1.0, (args.num_sample + 0.5) / shard_rows)
+    rss_before = psutil.Process().memory_info().rss
+    timer = PhaseTimer()
+    with PeakRSS() as rss:
+        pfc = PartialFC(num_classes, args.embedding_size, rank=world.rank,
+                        world_size=world.size, ctx=ctx, sample_rate=sample_rate,
+                        margin=(1.0, 0.5, 0.0), scale=64.0)
+        rng = np.random.default_rng(world.rank)
+        x = mx.nd.array(rng.standard_normal((args.batch_size, args.embedding_size)), ctx=ctx)
+        labels = rng.integers(0, num_classes, args.batch_size)
+        run_steps(pfc, x, labels, args.warmup)
+        plain = run_steps(pfc, x, labels, args.steps)
+        pfc.timer = timer
+        run_steps(pfc, x, labels, args.steps)
+    global_batch = args.batch_size * world.size
+    n = len(pfc.sampled_classes)
+    theory = estimate_memory(num_classes, args.embedding_size, world.size, world.rank,
+                             sample_rate, global_batch)
+    seconds = {k: v / args.steps for k, v in timer.seconds.items()}
+    return {
+        "classes": num_classes, "sampled": n, "step_ms": 1e3 * statistics.median(plain),
+        "phases_ms": {k: 1e3 * v for k, v in sorted(seconds.items())},
+        "gemm_gflops": 3 * 2 * global_batch * n * args.embedding_size / seconds["gemm"] / 1e9,
+        "rss_mib": (rss.peak - rss_before) / MiB, "theory_mib": theory.total / MiB,
+        "baseline_mib": rss_before / MiB,
+    }
+
+
+def run_steps(pfc: PartialFC, x: mx.nd.NDArray, labels: np.ndarray, count: int) -> list:
+    """Seconds per full step (forward, backward, center update), all ranks in step."""
+    times = []
+    for _ in range(count):
+        dist.barrier("bench")
+        start = time.perf_counter()
+        pfc.forward_backward(x, labels)
+        pfc.step(0.1)
+        mx.nd.waitall()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def print_report(args, world: dist.World, everyone: list) -> None:
+    print(f"Partial FC step: {world.size} ranks, batch {args.batch_size}/rank, "
+          f"D={args.embedding_size}, device {dist.device(0)}, MXNet {mx.__version__}")
+    print("step = median wall ms of forward + backward + center update; the split comes "
+          "from separate steps synchronized at every phase")
+    for rank, (results, _peak, _local) in enumerate(everyone):
+        for r in results:
+            phases = r["phases_ms"]
+            compute = ", ".join(f"{k} {v:.1f}" for k, v in phases.items() if k != "communication")
+            print(f"rank {rank}  C={r['classes']:>9,}  sampled {r['sampled']:>7,}  "
+                  f"step {r['step_ms']:7.1f} ms  = compute ({compute}) + communication "
+                  f"{phases['communication']:.1f}")
+            print(f"        RSS +{r['rss_mib']:,.0f} MiB = {r['rss_mib'] / r['theory_mib']:.2f}x "
+                  f"theory {r['theory_mib']:,.0f} MiB (above the {r['baseline_mib']:,.0f} MiB "
+                  "of a process with MXNet and Horovod loaded)")
+        if len(results) > 1:
+            print(f"rank {rank}  step time C={results[-1]['classes']:,} / "
+                  f"C={results[0]['classes']:,} at the same sample size: "
+                  f"{results[-1]['step_ms'] / results[0]['step_ms']:.3f}")
+    # ranks of one host run their GEMMs at the same time: compare their sum to the host
+    peak, local_size = everyone[0][1], everyone[0][2]
+    for i, r in enumerate(everyone[0][0]):
+        host_rate = sum(everyone[k][0][i]["gemm_gflops"] for k in range(local_size))
+        print(f"GEMMs C={r['classes']:,}: {host_rate:.1f} GFLOP/s summed over the "
+              f"{local_size} ranks of host 0 = {100 * host_rate / peak:.0f}% of numpy "
+              f"sgemm {peak:.1f} GFLOP/s measured alone on that host")

@@ -1,0 +1,62 @@
+"""Timers and memory probes shared by the benchmarks."""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import threading
+import time
+from collections import defaultdict
+
+import mxnet as mx
+import psutil
+
+MiB = 1024**2
+
+
+class PhaseTimer:
+    """Wall time per phase of a step; synchronizes MXNet at every boundary."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        mx.nd.waitall()
+        start = time.perf_counter()
+        yield
+        mx.nd.waitall()
+        self.seconds[name] += time.perf_counter() - start
+
+
+class PeakRSS:
+    """The largest resident set size seen while it runs (sampled every 2 ms)."""
+
+    def __enter__(self) -> PeakRSS:
+        self.peak = psutil.Process().memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        process = psutil.Process()
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, process.memory_info().rss)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def median_ms(run, repeats: int = 5) -> float:
+    """Median wall time of `run()` including all the MXNet work it queued."""
+    run()
+    mx.nd.waitall()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        mx.nd.waitall()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
