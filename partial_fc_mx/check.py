@@ -1,9 +1,10 @@
-"""Preflight: `python -m partial_fc_mx check CONFIG`, alone or under any launcher.
+"""Preflight: `python -m partial_fc_mx check [CONFIG]`, alone or under any launcher.
 
 It answers, before hours of queueing are spent, the questions a failed start
 would otherwise answer one at a time: is MXNet/Horovod built with what the run
 needs, did the launcher start the processes on the hosts and devices intended,
 are the data files there on every host, and will the class-center shards fit.
+Without a config it checks the environment alone (build, MPI, processes, devices).
 Each problem is one line that says how to fix it; every rank exits non-zero.
 """
 
@@ -39,17 +40,18 @@ class RankInfo:
     host: str
     device: str
     free_memory: int
-    memory_need: MemoryEstimate
+    memory_need: MemoryEstimate | None
     gpus: list[str]  # one line per GPU this process sees: can the installed MXNet run on it
     problems: list[str]
 
 
-def run_check(config: Config, checkpoint: str | None = None) -> int:
+def run_check(config: Config | None, checkpoint: str | None = None) -> int:
     """Print the report on rank 0; return the exit code every rank should use.
-    `checkpoint`: what --resume-from/--load-from names, checked to verify."""
+    `config` None: the environment alone. `checkpoint`: what --resume-from/--load-from
+    names, checked to verify."""
     world = dist.init()
     ctx = dist.device(world.local_rank)
-    need = estimate_memory(
+    need = None if config is None else estimate_memory(
         config.num_classes, config.embedding_size, world.size, world.rank, config.sample_rate,
         config.batch_size * world.size, config.fp16_centers, config.centers_optimizer(),
     )
@@ -60,15 +62,16 @@ def run_check(config: Config, checkpoint: str | None = None) -> int:
     for line in gpu_support.installed_report():
         (info.problems if line.problem else info.gpus).append(line.text)
     info.problems += check_gpu_driver()
-    dataset_problems, fingerprint = check_dataset(config)
-    info.problems += dataset_problems
-    info.problems += check_memory(need, info.free_memory)
+    if config is not None:
+        dataset_problems, fingerprint = check_dataset(config)
+        info.problems += dataset_problems + check_memory(need, info.free_memory)
     everyone = dist.allgather_object(info, name="preflight")
     problems = [f"rank {i.rank} ({i.host}): {p}" for i in everyone for p in i.problems]
     problems = deduplicate_across_ranks(problems)
-    problems += workdir.sharing_problems(Path(config.output), world)
-    if disagreement := dataset_disagreement_across_ranks(fingerprint):
-        problems.append(disagreement)
+    if config is not None:  # every rank has one, or none: the same command line
+        problems += workdir.sharing_problems(Path(config.output), world)
+        if disagreement := dataset_disagreement_across_ranks(fingerprint):
+            problems.append(disagreement)
     resumable = None
     if checkpoint:
         try:
@@ -164,7 +167,7 @@ def check_memory(need: MemoryEstimate, available: int) -> list[str]:
             "fp16_centers=True"]
 
 
-def print_report(config: Config, ranks: list[RankInfo]) -> None:
+def print_report(config: Config | None, ranks: list[RankInfo]) -> None:
     features = mx.runtime.Features()
     flag = {True: "yes", False: "no"}
     print(f"MXNet {mx.__version__}: CUDA {flag[features.is_enabled('CUDA')]}, "
@@ -182,6 +185,10 @@ def print_report(config: Config, ranks: list[RankInfo]) -> None:
         lines = [line for r in ranks if r.host == host for line in r.gpus]
         for line in dict.fromkeys(lines):
             print(f"  {host}: {line}")
+    if config is None:
+        print("no config given: the environment alone was checked; `check CONFIG` also "
+              "checks the data, the work dir and the memory of a run")
+        return
     print(f"data: {config.rec or '(not set)'}, {config.num_classes} classes, "
           f"val_targets {[str(p) for p in config.val_paths()]}")
     print(f"work_dir: {config.output} (must be one directory shared by every host)")

@@ -51,7 +51,8 @@ from .precision import all_finite
 
 CHECKPOINTS = "checkpoints"
 BACKBONE, OPTIMIZER, META = "backbone.params", "backbone_optimizer.npz", "meta.json"
-FORMAT = 3  # meta.json's "format": bumped when the layout above changes
+FORMAT = 4  # meta.json's "format": bumped when the layout above changes
+# 4: the best accuracy and its step under "validator" (format 3 kept them at the top)
 SGD_STATES = ["mom"]
 """The center states of a checkpoint whose meta.json names none (formats 1 and 2)."""
 

@@ -34,3 +34,16 @@ def test_save_bench_reports_each_way_of_writing_a_shard(tmp_path):
                                              "verify (read back + CRC-32)"]
     assert float(rows[0][2]) == 1.0 and all(float(ms) > 0 for _, ms, _ in rows)
     assert list(tmp_path.iterdir()) == []  # it cleans up
+
+
+def test_ijb_bench_reports_each_phase_and_the_peak_memory():
+    result = run([sys.executable, "-m", "partial_fc_mx.bench", "ijb", "--pictures", "3000",
+                  "--templates", "300", "--pairs", "20000", "--embedding-size", "32"])
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "3,000 pictures, 300 templates, 20,000 pairs" in result.stdout
+    phases = re.findall(r"^  (.+?)\s+([\d.]+) s   peak RSS\s+[\d,]+ MiB$", result.stdout,
+                        flags=re.MULTILINE)
+    assert [name for name, _ in phases] == ["read the metadata", "read and score the pairs",
+                                            "ROC and TAR@FAR"]
+    assert re.search(r"peak RSS [\d,]+ MiB: [\d,]+ MiB above .* scores and labels 0 MiB\)",
+                     result.stdout), result.stdout

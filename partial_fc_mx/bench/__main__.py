@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from . import data, ops, pfc, save
+from . import data, ijb, ops, pfc, save
 
-BENCHMARKS = (pfc, ops, data, save)
+BENCHMARKS = (pfc, ops, data, save, ijb)
 
 
 def main(argv: list[str] | None = None) -> None:

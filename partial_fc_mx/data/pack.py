@@ -8,7 +8,9 @@ the end, so an interrupted pack never leaves a half-written dataset in place.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import posixpath
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,9 +20,31 @@ import mxnet as mx
 import numpy as np
 
 from . import DataError
+from .align import align_face
 from .transforms import FACE_SIZE, center_square, encode_jpeg
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".pgm", ".ppm", ".webp", ".tif", ".tiff"}
+
+
+UNREADABLE, UNDECODABLE, NOT_FACE_SIZE = ("unreadable", "not a decodable image",
+                                         f"not {FACE_SIZE}x{FACE_SIZE}")
+FIXES = {
+    UNREADABLE: "check the file's permissions, or remove it",
+    UNDECODABLE: "re-encode it as JPEG or PNG, or remove it",
+    NOT_FACE_SIZE: "align it from 5 landmarks (--landmarks FILE for a folder; a .lst with "
+                   "the points), or --resize (plain resize) or --crop (center crop and resize)",
+}
+"""What fixes each reason for skipping a picture."""
+
+RESIZE, CROP = "resize", "crop"
+"""What to do with a picture without landmarks that is not FACE_SIZE x FACE_SIZE
+(None: skip it)."""
+
+
+def unaligned_rule(crop: bool, resize: bool) -> str | None:
+    if crop and resize:
+        raise DataError("choose one of --crop and --resize")
+    return CROP if crop else RESIZE if resize else None
 
 
 @dataclass
@@ -28,7 +52,20 @@ class PackReport:
     images: int = 0
     classes: int = 0
     skipped: list = field(default_factory=list)
-    """(path, reason) of every input that was not packed."""
+    """(path, why) of every input that was not packed."""
+    reasons: dict = field(default_factory=dict)
+    """For each reason (a key of FIXES), the paths skipped for it."""
+    aligned: int = 0
+    """Pictures aligned from their landmarks."""
+
+    def skip(self, path: str, reason: str, why: str) -> None:
+        self.skipped.append((path, why))
+        self.reasons.setdefault(reason, []).append(path)
+
+    def summary(self) -> list[str]:
+        """One line per reason: how many, two examples, and the option that fixes it."""
+        return [f"{len(paths)} skipped as {reason} (e.g. {', '.join(paths[:2])}); fix: "
+                f"{FIXES[reason]}" for reason, paths in self.reasons.items()]
 
 
 def write_records(out_dir: str | os.PathLike, samples: Iterable[tuple[int, bytes]],
@@ -42,32 +79,47 @@ def write_records(out_dir: str | os.PathLike, samples: Iterable[tuple[int, bytes
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tmp = {name: out / f".{name}.partial" for name in ("train.rec", "train.idx", "property")}
-    writer = mx.recordio.MXIndexedRecordIO(str(tmp["train.idx"]), str(tmp["train.rec"]), "w")
-    report, ranges, previous = report or PackReport(), {}, -1
-    writer.write_idx(0, header_record(0, 0))  # rewritten in place once the counts are known
-    for label, image in samples:
-        if label < previous or not 0 <= label < num_classes:
-            writer.close()
-            raise DataError(f"packing {out}: label {label} after {previous}; labels must come "
-                            f"grouped in ascending order within 0..{num_classes - 1}")
-        report.images += 1
-        ranges.setdefault(label, [report.images, report.images + 1])[1] = report.images + 1
-        writer.write_idx(report.images, mx.recordio.pack(mx.recordio.IRHeader(0, label, 0, 0),
-                                                         image))
-        previous = label
-    if report.images == 0:
-        writer.close()
-        raise DataError(f"packing {out}: no readable images; nothing was written")
-    first_identity = report.images + 1
-    for i, (start, stop) in enumerate(sorted(ranges.values())):
-        writer.write_idx(first_identity + i, header_record(start, stop))
-    writer.close()
-    overwrite_header(tmp["train.rec"], header_record(first_identity, first_identity + len(ranges)))
-    tmp["property"].write_text(f"{num_classes},{FACE_SIZE},{FACE_SIZE}\n")
+    report = report or PackReport()
+    try:
+        classes = write_images(tmp, samples, num_classes, report, out)
+    except BaseException:
+        for path in tmp.values():
+            path.unlink(missing_ok=True)
+        raise
     for name, path in tmp.items():
         os.replace(path, out / name)
-    report.classes = len(ranges)
+    report.classes = classes
     return report
+
+
+def write_images(tmp: dict, samples: Iterable[tuple[int, bytes]], num_classes: int,
+                 report: PackReport, out: Path) -> int:
+    """The records and property of write_records, under the temporary names `tmp`;
+    returns the number of classes with images."""
+    writer = mx.recordio.MXIndexedRecordIO(str(tmp["train.idx"]), str(tmp["train.rec"]), "w")
+    ranges, previous = {}, -1
+    with contextlib.closing(writer):
+        writer.write_idx(0, header_record(0, 0))  # rewritten in place once counts are known
+        for label, image in samples:
+            if label < previous or not 0 <= label < num_classes:
+                raise DataError(f"packing {out}: label {label} after {previous}; labels must "
+                                f"come grouped in ascending order within 0..{num_classes - 1}")
+            report.images += 1
+            ranges.setdefault(label, [report.images, report.images + 1])[1] = report.images + 1
+            writer.write_idx(report.images, mx.recordio.pack(
+                mx.recordio.IRHeader(0, label, 0, 0), image))
+            previous = label
+        if report.images == 0:
+            why = "".join(f"\n  {line}" for line in report.summary())
+            raise DataError(f"packing {out}: no readable images; nothing was written"
+                            + (f". Every picture was skipped:{why}" if why else
+                               " (the source lists no pictures)"))
+        first_identity = report.images + 1
+        for i, (start, stop) in enumerate(sorted(ranges.values())):
+            writer.write_idx(first_identity + i, header_record(start, stop))
+    overwrite_header(tmp["train.rec"], header_record(first_identity, first_identity + len(ranges)))
+    tmp["property"].write_text(f"{num_classes},{FACE_SIZE},{FACE_SIZE}\n")
+    return len(ranges)
 
 
 def header_record(first: int, end: int) -> bytes:
@@ -81,45 +133,126 @@ def overwrite_header(rec_path: Path, record: bytes) -> None:
         f.write(record)
 
 
-def encoded_face(path: Path, crop: bool) -> tuple[bytes | None, str]:
-    """The bytes to store for one picture, or (None, why) when it is unusable."""
+def encoded_face(path: Path, report: PackReport, landmarks=None, unaligned: str | None = None,
+                 where: str = "") -> bytes | None:
+    """The bytes to store for one picture: aligned from its 5 `landmarks` when given,
+    else as it is if FACE_SIZE x FACE_SIZE, else as `unaligned` says. None (and the
+    reason noted in `report`) when it is unusable; bad landmarks are a DataError
+    naming `where` (the list line), or the file."""
     try:
         data = path.read_bytes()
     except OSError as error:
-        return None, f"unreadable ({error.strerror})"
+        report.skip(str(path), UNREADABLE, f"{UNREADABLE} ({error.strerror})")
+        return None
     image = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
     if image is None:
-        return None, "not a decodable image"
-    if crop:
+        report.skip(str(path), UNDECODABLE, UNDECODABLE)
+        return None
+    if landmarks is not None:
+        image = align_face(image, landmarks, where or str(path))
+        report.aligned += 1
+    elif image.shape[:2] == (FACE_SIZE, FACE_SIZE):
+        if path.suffix.lower() in (".jpg", ".jpeg", ".png"):
+            return data  # as it is: no second JPEG loss
+    elif unaligned == CROP:
         image = center_square(image)
-    elif image.shape[:2] != (FACE_SIZE, FACE_SIZE):
-        return None, (f"{image.shape[1]}x{image.shape[0]}, not {FACE_SIZE}x{FACE_SIZE} "
-                      "(use --crop to center-crop and resize)")
-    keep_as_is = not crop and path.suffix.lower() in (".jpg", ".jpeg", ".png")
-    return (data if keep_as_is else encode_jpeg(cv2.cvtColor(image, cv2.COLOR_BGR2RGB))), ""
+    elif unaligned == RESIZE:
+        image = cv2.resize(image, (FACE_SIZE, FACE_SIZE), interpolation=cv2.INTER_AREA)
+    else:
+        report.skip(str(path), NOT_FACE_SIZE, f"{image.shape[1]}x{image.shape[0]}, "
+                    f"{NOT_FACE_SIZE} (use --landmarks, --resize or --crop)")
+        return None
+    return encode_jpeg(cv2.cvtColor(image, cv2.COLOR_BGR2RGB))
 
 
-def folder_samples(root: Path, crop: bool, report: PackReport) -> Iterator[tuple[int, bytes]]:
-    """One subfolder per identity (sorted names -> labels 0..); unusable files reported."""
+def folder_samples(root: Path, report: PackReport, landmarks: dict,
+                   unaligned: str | None) -> Iterator[tuple[int, bytes]]:
+    """One subfolder per identity (sorted names -> labels 0..); unusable files reported;
+    `landmarks` maps a path relative to `root` to its 5 points."""
     identities = sorted(p for p in root.iterdir() if p.is_dir())
     for label, folder in enumerate(identities):
         for path in sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES):
-            image, why = encoded_face(path, crop)
-            if image is None:
-                report.skipped.append((str(path), why))
-                continue
-            yield label, image
+            points = landmarks.get(plain_path(path.relative_to(root).as_posix()))
+            image = encoded_face(path, report, points, unaligned)
+            if image is not None:
+                yield label, image
 
 
-def read_list(lst: Path) -> list[tuple[int, str]]:
-    """An im2rec .lst, `index<TAB>label<TAB>relative path` per line: (label, path)."""
+def read_landmarks(path: Path) -> dict[str, np.ndarray]:
+    """A landmarks file: `relative/path x1 y1 x2 y2 x3 y3 x4 y4 x5 y5` per line, the
+    layout of IJB's *_name_5pts_score.txt (a 12th column, the detector's score, is
+    allowed and ignored)."""
+    if not path.is_file():
+        raise DataError(f"landmarks file {path} does not exist")
+    points = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        fields = line.split()
+        if not fields:
+            continue
+        if len(fields) not in (11, 12) or not all(map(is_number, fields[1:])):
+            raise DataError(f"{path} line {number} is not 'path x1 y1 ... x5 y5 [score]' "
+                            f"(a path and 10 or 11 numbers): {line!r}")
+        points[plain_path(fields[0])] = np.array(fields[1:11], np.float64).reshape(5, 2)
+    return points
+
+
+def plain_path(relative: str) -> str:
+    """One spelling of a relative path: `./a/b.jpg`, `a//b.jpg` and `a/b.jpg` alike."""
+    return posixpath.normpath(relative)
+
+
+def matched_landmarks(points: dict, pictures: list[str], landmarks: str | os.PathLike,
+                      root: Path) -> None:
+    """A landmarks file none of whose paths names a picture is a mistake (paths relative
+    to another folder), not a request to pack every picture unaligned."""
+    if points and not points.keys() & set(map(plain_path, pictures)):
+        example = next(iter(points))
+        raise DataError(f"none of the {len(points)} paths in {landmarks} names a picture under "
+                        f"{root} (e.g. {example!r}); its paths must be relative to {root}, "
+                        f"like {pictures[0]!r}" if pictures else f"{root} holds no pictures")
+
+
+@dataclass(frozen=True)
+class ListEntry:
+    label: int
+    path: str
+    landmarks: np.ndarray | None
+    where: str
+
+
+def read_list(lst: Path) -> list[ListEntry]:
+    """A .lst in either layout, line by line:
+    - im2rec: `index<TAB>label<TAB>path`;
+    - insightface (face2rec2): `aligned<TAB>path<TAB>label[<TAB>4 bbox numbers
+      <TAB>10 landmarks x1..x5 y1..y5]`, one number per column (the bbox is not used:
+      the landmarks place the face; a picture marked aligned is stored as it is)."""
     entries = []
     for number, line in enumerate(lst.read_text().splitlines(), 1):
-        fields = line.split("\t")
+        fields, where = line.rstrip().split("\t"), f"{lst} line {number}"
         if len(fields) < 3:
-            raise DataError(f"{lst} line {number} is not 'index<TAB>label<TAB>path': {line!r}")
-        entries.append((class_id(fields[1], f"{lst} line {number}"), fields[-1]))
+            raise DataError(f"{where} is not 'index<TAB>label<TAB>path' (im2rec) nor "
+                            f"'aligned<TAB>path<TAB>label...' (insightface): {line!r}")
+        if is_number(fields[1]) or not is_number(fields[2]):  # im2rec
+            entries.append(ListEntry(class_id(fields[1], where), fields[-1], None, where))
+            continue
+        if len(fields) not in (3, 7, 17) or not all(map(is_number, fields[3:])):
+            raise DataError(f"{where}: an insightface list line has 3, 7 or 17 tab-separated "
+                            f"columns (aligned, path, label, 4 bbox numbers, 10 landmarks), "
+                            f"got {len(fields)}: {line!r}")
+        aligned = fields[0].strip() not in ("0", "")  # aligned already: stored as it is
+        points = (np.array(fields[7:17], np.float64).reshape(2, 5).T
+                  if len(fields) == 17 and not aligned else None)
+        entries.append(ListEntry(class_id(fields[2], where), fields[1], points,
+                                 f"{where} ({fields[1]})"))
     return entries
+
+
+def is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def class_id(text: str, where: str) -> int:
@@ -130,39 +263,49 @@ def class_id(text: str, where: str) -> int:
         value = float("nan")
     if not (value >= 0 and value.is_integer()):
         raise DataError(f"{where}: label {text!r} is not a class id (a whole number >= 0); "
-                        "fix the list, whose second column is the identity's number")
+                        "fix the list, whose label column is the identity's number")
     return int(value)
 
 
-def list_samples(entries: list[tuple[int, str]], root: Path, crop: bool,
-                 report: PackReport) -> Iterator[tuple[int, bytes]]:
+def list_samples(entries: list[ListEntry], root: Path, report: PackReport,
+                 unaligned: str | None) -> Iterator[tuple[int, bytes]]:
     """The pictures of a .lst's entries, by label; unusable files reported."""
-    for label, relative in sorted(entries, key=lambda e: e[0]):
-        image, why = encoded_face(root / relative, crop)
-        if image is None:
-            report.skipped.append((str(root / relative), why))
-            continue
-        yield label, image
+    for entry in sorted(entries, key=lambda e: e.label):
+        image = encoded_face(root / entry.path, report, entry.landmarks, unaligned, entry.where)
+        if image is not None:
+            yield entry.label, image
 
 
-def pack_folder(src: str | os.PathLike, out_dir: str | os.PathLike,
-                crop: bool = False) -> PackReport:
+def pack_folder(src: str | os.PathLike, out_dir: str | os.PathLike, crop: bool = False,
+                resize: bool = False, landmarks: str | os.PathLike | None = None) -> PackReport:
+    """SRC/<identity>/<picture>, labels in sorted identity order; `landmarks` names a
+    file of 5 points per picture (paths relative to SRC); pictures without points that
+    are not FACE_SIZE x FACE_SIZE are center-cropped (`crop`), resized or skipped."""
+    unaligned = unaligned_rule(crop, resize)
     root = Path(src)
     if not root.is_dir():
         raise DataError(f"{root} is not a folder of identity subfolders")
+    points = read_landmarks(Path(landmarks)) if landmarks else {}
+    matched_landmarks(points, [p.relative_to(root).as_posix() for p in root.glob("*/*")
+                               if p.suffix.lower() in IMAGE_SUFFIXES], landmarks, root)
     report = PackReport()
     num_classes = sum(1 for p in root.iterdir() if p.is_dir())
-    return write_records(out_dir, folder_samples(root, crop, report), num_classes, report)
+    return write_records(out_dir, folder_samples(root, report, points, unaligned),
+                         num_classes, report)
 
 
 def pack_list(lst: str | os.PathLike, root: str | os.PathLike, out_dir: str | os.PathLike,
-              crop: bool = False) -> PackReport:
+              crop: bool = False, resize: bool = False) -> PackReport:
+    """The pictures a .lst names (paths relative to `root`), aligned where it gives
+    their landmarks; the others as pack_folder treats them."""
+    unaligned = unaligned_rule(crop, resize)
     lst, root = Path(lst), Path(root)
     if not lst.is_file():
         raise DataError(f"list file {lst} does not exist")
     entries = read_list(lst)
     if not entries:
         raise DataError(f"list file {lst} lists no images")
-    num_classes = max(label for label, _ in entries) + 1
+    num_classes = max(entry.label for entry in entries) + 1
     report = PackReport()
-    return write_records(out_dir, list_samples(entries, root, crop, report), num_classes, report)
+    return write_records(out_dir, list_samples(entries, root, report, unaligned),
+                         num_classes, report)

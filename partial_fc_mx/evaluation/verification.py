@@ -82,14 +82,16 @@ def onnx_forward(session):
     return lambda batch: session.run(None, {name: batch})[0]
 
 
+def flip_sum(forward, batch: np.ndarray) -> np.ndarray:
+    """The sum of the embeddings of each image and of its mirror image; `forward` maps
+    an N x 3 x 112 x 112 float32 batch to N x D embeddings."""
+    return forward(batch) + forward(np.ascontiguousarray(batch[..., ::-1]))
+
+
 def embed(forward, images: np.ndarray, batch_size: int = 64) -> np.ndarray:
-    """L2-normalized sum of the embeddings of each image and its mirror image;
-    `forward` maps an N x 3 x 112 x 112 float32 batch to N x D embeddings."""
-    out = []
-    for start in range(0, len(images), batch_size):
-        batch = images[start:start + batch_size]
-        out.append(forward(batch) + forward(np.ascontiguousarray(batch[..., ::-1])))
-    embeddings = np.concatenate(out)
+    """L2-normalized flip_sum of each image."""
+    embeddings = np.concatenate([flip_sum(forward, images[start:start + batch_size])
+                                 for start in range(0, len(images), batch_size)])
     return embeddings / np.linalg.norm(embeddings, axis=1, keepdims=True)
 
 
