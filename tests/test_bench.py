@@ -2,7 +2,10 @@
 
 import re
 import sys
+from types import SimpleNamespace
 
+import numpy as np
+import pytest
 from conftest import horovodrun_gloo, run
 
 
@@ -20,6 +23,10 @@ def test_pfc_bench_reports_the_sample_ratios_and_memory_for_each_rank():
     assert len(ratios) == 4 and all(r > 0 for r in ratios)
     assert len(re.findall(r"at the same sample size: \d+\.\d+", out)) == 2
     assert re.search(r"GEMMs C=30,000: [\d.]+ GFLOP/s summed over the 2 ranks", out)
+    floors = re.findall(r"step = ([\d.]+)x its GEMM phase \([\d.]+ ms\); memory-traffic "
+                        r"floor ([\d.]+) ms \(([\d.]+) MB at [\d.]+ GB/s", out)
+    assert len(floors) == 4 and all(float(ratio) > 0 for ratio, _, _ in floors)
+    assert [mb for _, _, mb in floors] == ["0.1"] * 4  # 51,200 bytes: see below
 
 
 def test_save_bench_reports_each_way_of_writing_a_shard(tmp_path):
@@ -47,3 +54,22 @@ def test_ijb_bench_reports_each_phase_and_the_peak_memory():
                                             "ROC and TAR@FAR"]
     assert re.search(r"peak RSS [\d,]+ MiB: [\d,]+ MiB above .* scores and labels 0 MiB\)",
                      result.stdout), result.stdout
+
+
+@pytest.mark.parametrize("weight, momentum, expected", [
+    ("float32", "float32", 2 * (16 * 100 * 4 + 100 * (16 * 4 + 16 * 4 + 16 * 4))),  # 51,200
+    ("float16", "float32", 2 * (16 * 100 * 4 + 100 * (16 * 2 + 16 * 4 + 16 * 4))),
+])
+def test_the_memory_traffic_floor_counts_logits_rows_states_and_gradient(weight, momentum,
+                                                                          expected):
+    """Logits written and read; each sampled row, its states and its float32 gradient
+    written and read."""
+    import mxnet as mx
+
+    from partial_fc_mx.bench.pfc import minimal_traffic
+
+    arrays = {"weight": mx.nd.zeros((300, 16), dtype=weight),
+              "mom": mx.nd.zeros((300, 16), dtype=momentum)}
+    pfc = SimpleNamespace(sampled_classes=np.arange(100), embedding_size=16,
+                          centers=SimpleNamespace(arrays=lambda: arrays))
+    assert minimal_traffic(pfc, global_batch=16) == expected

@@ -36,6 +36,8 @@ def add_command(commands) -> None:
     pfc.add_argument("--embedding-size", type=int, default=512)
     pfc.add_argument("--steps", type=int, default=5)
     pfc.add_argument("--warmup", type=int, default=2)
+    pfc.add_argument("--fp16-centers", action="store_true",
+                     help="float16 centers (twice the classes in the same memory)")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -45,9 +47,12 @@ def run(args: argparse.Namespace) -> None:
     for num_classes in sorted(args.classes):
         results.append(bench_config(world, ctx, num_classes, args))
         mx.nd.waitall()
+    alone = world.local_rank == 0
     peak = numpy_sgemm_gflops(args.batch_size * world.size, results[-1]["sampled"],
-                              args.embedding_size, alone=world.local_rank == 0)
-    everyone = dist.allgather_object((results, peak, world.local_size), name="bench.results")
+                              args.embedding_size, alone)
+    bandwidth = memory_bandwidth_gbs(alone)
+    everyone = dist.allgather_object((results, peak, world.local_size, bandwidth),
+                                     name="bench.results")
     if world.is_main:
         print_report(args, world, everyone)
 
@@ -70,6 +75,31 @@ def numpy_sgemm_gflops(rows: int, cols: int, depth: int, alone: bool, repeats: i
     return 2 * rows * cols * depth / statistics.median(times) / 1e9 if alone else 0.0
 
 
+def memory_bandwidth_gbs(alone: bool, megabytes: int = 512, repeats: int = 5) -> float:
+    """The host's memory bandwidth (GB/s read + written) copying a large float32 array
+    with numpy; measured by the first rank of each host alone, as the GEMM speed."""
+    times = []
+    if alone:
+        source = np.ones(megabytes * 2**20 // 4, np.float32)
+        target = np.empty_like(source)
+        for _ in range(repeats):
+            start = time.perf_counter()
+            np.copyto(target, source)
+            times.append(time.perf_counter() - start)
+    dist.barrier("bench")
+    return 2 * megabytes * 2**20 / statistics.median(times) / 1e9 if alone else 0.0
+
+
+def minimal_traffic(pfc: PartialFC, global_batch: int) -> int:
+    """Bytes one rank's step must move at least once: the N x n logits written and
+    read (their gradient can take their buffer), and each sampled row with every
+    optimizer state read and written, its float32 gradient written and read."""
+    n = len(pfc.sampled_classes)
+    row_bytes = sum(np.dtype(array.dtype).itemsize * array.shape[1]
+                    for array in pfc.centers.arrays().values())
+    return 2 * (global_batch * n * 4 + n * (row_bytes + 4 * pfc.embedding_size))
+
+
 def bench_config(world: dist.World, ctx: mx.Context, num_classes: int, args) -> dict:
     """Median step time, phase split and memory for one class count."""
     sample_rate = args.sample_rate
@@ -81,7 +111,7 @@ def bench_config(world: dist.World, ctx: mx.Context, num_classes: int, args) -> 
     with PeakRSS() as rss:
         pfc = PartialFC(num_classes, args.embedding_size, rank=world.rank,
                         world_size=world.size, ctx=ctx, sample_rate=sample_rate,
-                        margin=(1.0, 0.5, 0.0), scale=64.0)
+                        margin=(1.0, 0.5, 0.0), scale=64.0, fp16_centers=args.fp16_centers)
         rng = np.random.default_rng(world.rank)
         x = mx.nd.array(rng.standard_normal((args.batch_size, args.embedding_size)), ctx=ctx)
         labels = rng.integers(0, num_classes, args.batch_size)
@@ -92,14 +122,14 @@ def bench_config(world: dist.World, ctx: mx.Context, num_classes: int, args) -> 
     global_batch = args.batch_size * world.size
     n = len(pfc.sampled_classes)
     theory = estimate_memory(num_classes, args.embedding_size, world.size, world.rank,
-                             sample_rate, global_batch)
+                             sample_rate, global_batch, args.fp16_centers)
     seconds = {k: v / args.steps for k, v in timer.seconds.items()}
     return {
         "classes": num_classes, "sampled": n, "step_ms": 1e3 * statistics.median(plain),
         "phases_ms": {k: 1e3 * v for k, v in sorted(seconds.items())},
         "gemm_gflops": 3 * 2 * global_batch * n * args.embedding_size / seconds["gemm"] / 1e9,
         "rss_mib": (rss.peak - rss_before) / MiB, "theory_mib": theory.total / MiB,
-        "baseline_mib": rss_before / MiB,
+        "baseline_mib": rss_before / MiB, "traffic_bytes": minimal_traffic(pfc, global_batch),
     }
 
 
@@ -117,17 +147,25 @@ def run_steps(pfc: PartialFC, x: mx.nd.NDArray, labels: np.ndarray, count: int) 
 
 
 def print_report(args, world: dist.World, everyone: list) -> None:
+    centers = "float16" if args.fp16_centers else "float32"
     print(f"Partial FC step: {world.size} ranks, batch {args.batch_size}/rank, "
-          f"D={args.embedding_size}, device {dist.device(0)}, MXNet {mx.__version__}")
+          f"D={args.embedding_size}, {centers} centers, device {dist.device(0)}, "
+          f"MXNet {mx.__version__}")
     print("step = median wall ms of forward + backward + center update; the split comes "
           "from separate steps synchronized at every phase")
-    for rank, (results, _peak, _local) in enumerate(everyone):
+    bandwidth, local_size = everyone[0][3], everyone[0][2]
+    for rank, (results, *_host) in enumerate(everyone):
         for r in results:
             phases = r["phases_ms"]
             compute = ", ".join(f"{k} {v:.1f}" for k, v in phases.items() if k != "communication")
             print(f"rank {rank}  C={r['classes']:>9,}  sampled {r['sampled']:>7,}  "
                   f"step {r['step_ms']:7.1f} ms  = compute ({compute}) + communication "
                   f"{phases['communication']:.1f}")
+            floor_ms = 1e3 * r["traffic_bytes"] / (bandwidth * 1e9 / local_size)
+            print(f"        step = {r['step_ms'] / phases['gemm']:.2f}x its GEMM phase "
+                  f"({phases['gemm']:.1f} ms); memory-traffic floor {floor_ms:.2f} ms "
+                  f"({r['traffic_bytes'] / 1e6:,.1f} MB at {bandwidth / local_size:.1f} GB/s, "
+                  f"host 0's copy bandwidth {bandwidth:.1f} GB/s shared by {local_size} ranks)")
             print(f"        RSS +{r['rss_mib']:,.0f} MiB = {r['rss_mib'] / r['theory_mib']:.2f}x "
                   f"theory {r['theory_mib']:,.0f} MiB (above the {r['baseline_mib']:,.0f} MiB "
                   "of a process with MXNet and Horovod loaded)")
@@ -136,7 +174,7 @@ def print_report(args, world: dist.World, everyone: list) -> None:
                   f"C={results[0]['classes']:,} at the same sample size: "
                   f"{results[-1]['step_ms'] / results[0]['step_ms']:.3f}")
     # ranks of one host run their GEMMs at the same time: compare their sum to the host
-    peak, local_size = everyone[0][1], everyone[0][2]
+    peak = everyone[0][1]
     for i, r in enumerate(everyone[0][0]):
         host_rate = sum(everyone[k][0][i]["gemm_gflops"] for k in range(local_size))
         print(f"GEMMs C={r['classes']:,}: {host_rate:.1f} GFLOP/s summed over the "
