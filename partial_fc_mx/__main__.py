@@ -425,6 +425,7 @@ def eval_ijb_command(args: argparse.Namespace) -> int:
     layout = ijb.Layout.of(args.root, args.target)
     pictures = ijb.read_pictures(layout)  # bad metadata first: it is cheap
     pairs = ijb.check_pairs(pictures.template_ids, layout.pairs)
+    ijb.check_pictures_exist(pictures, layout)
     forward = model_forward(args.model, args.gpu)
     out = Path(args.out or (Path(args.model).parent if args.model.endswith(".onnx")
                             else args.model))

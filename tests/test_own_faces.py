@@ -407,6 +407,14 @@ def test_ijb_metadata_that_disagrees_is_named(tmp_path):
         ijb.read_pictures(layout)
     with pytest.raises(DataError, match=r"IJBB_face_tid_mid|ijbb_face_tid_mid.txt.* missing"):
         ijb.Layout.of(root, "IJBB")
+    faces[1] = "2.jpg" + faces[1][len("nope.jpg"):]
+    layout.faces.write_text("\n".join(faces) + "\n")
+    pictures = ijb.read_pictures(layout)
+    ijb.check_pictures_exist(pictures, layout)
+    (layout.images / "3.jpg").unlink()
+    with pytest.raises(DataError, match=r"1 of the \d+ pictures .* are not in .*loose_crop: "
+                                        r"3\.jpg \(line 3\)"):
+        ijb.check_pictures_exist(pictures, layout)
 
 
 def test_eval_ijb_from_the_command_line_with_an_onnx_backbone(tmp_path):

@@ -158,6 +158,19 @@ def numbered_lines(path: Path) -> Iterator[tuple[int, str]]:
                 yield number, line
 
 
+def check_pictures_exist(pictures: Pictures, layout: Layout) -> None:
+    """Every listed picture is a file under loose_crop/: a missing one would otherwise
+    end the run after hours of embedding."""
+    missing = [row for row, name in enumerate(pictures.names)
+               if not (layout.images / name).is_file()]
+    if missing:
+        examples = ", ".join(f"{pictures.names[row]} (line {pictures.lines[row]})"
+                             for row in missing[:3])
+        raise DataError(f"{len(missing)} of the {len(pictures.names)} pictures "
+                        f"{layout.landmarks} lists are not in {layout.images}: {examples}; "
+                        "copy the whole loose_crop folder of the release")
+
+
 def template_features(pictures: Pictures, layout: Layout, forward: Callable, flip: bool = True,
                       detector_score: bool = True, batch_size: int = 128, workers: int = 4,
                       progress: Callable[[int], None] | None = None) -> np.ndarray:
