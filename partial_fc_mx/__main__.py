@@ -424,19 +424,19 @@ def eval_ijb_command(args: argparse.Namespace) -> int:
 
     layout = ijb.Layout.of(args.root, args.target)
     pictures = ijb.read_pictures(layout)  # bad metadata first: it is cheap
-    pairs = ijb.check_pairs(pictures.template_ids, layout.pairs)
+    pairs = ijb.read_pairs(pictures.template_ids, layout.pairs)
     ijb.check_pictures_exist(pictures, layout)
     forward = model_forward(args.model, args.gpu)
     out = Path(args.out or (Path(args.model).parent if args.model.endswith(".onnx")
                             else args.model))
     out.mkdir(parents=True, exist_ok=True)
     print(f"{args.target}: {len(pictures.names)} pictures in {len(pictures.template_ids)} "
-          f"templates, {pairs} pairs")
+          f"templates, {len(pairs.labels)} pairs")
     with tqdm(total=len(pictures.names), unit="img", desc="embedding") as bar:
         features = ijb.template_features(pictures, layout, forward, not args.no_flip,
                                          not args.no_detector_score, args.batch_size,
                                          args.workers, bar.update)
-    scores, labels = ijb.score_pairs(features, pictures.template_ids, layout.pairs)
+    scores, labels = ijb.score_pairs(features, pairs), pairs.labels
     roc = ijb.roc_curve(scores, labels)
     name = Path(args.model).name
     print(f"{int(labels.sum())} genuine and {int(len(labels) - labels.sum())} impostor pairs; "

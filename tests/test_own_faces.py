@@ -328,7 +328,8 @@ def test_ijb_tar_at_far_equals_a_direct_computation(tmp_path, seed, detector_sco
     features = ijb.template_features(pictures, layout, forward, detector_score=detector_score,
                                      batch_size=5, workers=2, progress=seen.append)
     assert sum(seen) == len(pictures.names) and features.shape == (24, 16)
-    scores, labels = ijb.score_pairs(features, pictures.template_ids, layout.pairs)
+    pairs = ijb.read_pairs(pictures.template_ids, layout.pairs)
+    scores, labels = ijb.score_pairs(features, pairs), pairs.labels
     expected_scores, expected_labels, expected_tars = direct_tars(root, forward,
                                                                  detector_score=detector_score)
     np.testing.assert_allclose(scores, expected_scores, atol=1e-5)
@@ -348,19 +349,24 @@ def test_tar_at_far_counts_the_genuine_pairs_between_two_impostors():
         ijb.roc_curve(scores, np.ones(5, int))
 
 
+def scored(features, template_ids, pairs_file) -> tuple:
+    pairs = ijb.read_pairs(template_ids, pairs_file)
+    return ijb.score_pairs(features, pairs), pairs.labels
+
+
 def test_ijb_pairs_are_read_in_blocks_with_bad_lines_named(tmp_path, monkeypatch):
     root = write_ijb(tmp_path / "ijb", np.random.default_rng(9), templates=10)
     layout = ijb.Layout.of(root / "IJBC", "IJBC")  # the target's own folder works too
     features = np.random.default_rng(0).standard_normal((10, 4)).astype(np.float32)
     ids = ijb.read_pictures(layout).template_ids
-    whole = ijb.score_pairs(features, ids, layout.pairs)
+    whole = scored(features, ids, layout.pairs)
     lines = layout.pairs.read_text().splitlines()
     # blank lines, CRLF and no newline at the end, read in blocks that end mid-line
     layout.pairs.write_bytes(("\r\n".join(lines[:3] + ["", ""] + lines[3:])).encode())
     for block_bytes in (7, 12, 1000):
         monkeypatch.setattr(ijb, "PAIR_BLOCK_BYTES", block_bytes)
-        assert ijb.check_pairs(ids, layout.pairs) == 45
-        blocks = ijb.score_pairs(features, ids, layout.pairs)
+        assert len(ijb.read_pairs(ids, layout.pairs).labels) == 45
+        blocks = scored(features, ids, layout.pairs)
         np.testing.assert_array_equal(whole[0], blocks[0])
         np.testing.assert_array_equal(whole[1], blocks[1])
     body = lines[:3] + ["", ""] + lines[3:]  # the bad line is line 8 of the file
@@ -372,7 +378,7 @@ def test_ijb_pairs_are_read_in_blocks_with_bad_lines_named(tmp_path, monkeypatch
         for block_bytes in (7, 1000):
             monkeypatch.setattr(ijb, "PAIR_BLOCK_BYTES", block_bytes)
             with pytest.raises(DataError, match=re.escape(f"{layout.pairs} {message}")):
-                ijb.check_pairs(ids, layout.pairs)
+                ijb.read_pairs(ids, layout.pairs)
 
 
 def test_ijb_landmarks_are_checked_before_embedding_and_loose_ones_warped(tmp_path):

@@ -9,6 +9,7 @@ sums (templates x D), so it is left out: its cost is the network's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import tempfile
 import time
 from pathlib import Path
@@ -67,26 +68,32 @@ def run(args: argparse.Namespace) -> None:
               f"pairs file {layout.pairs.stat().st_size / MiB:,.0f} MiB)")
         baseline = psutil.Process().memory_info().rss
         phases = {}
-        with PeakRSS() as rss:
-            start = time.perf_counter()
+        with measured("read the metadata", phases):
             pictures = ijb.read_pictures(layout)
-        phases["read the metadata"] = (time.perf_counter() - start, rss.peak)
+        with measured("read the pairs", phases):
+            pairs = ijb.read_pairs(pictures.template_ids, layout.pairs)
         rng = np.random.default_rng(1)
         features = rng.standard_normal((len(pictures.template_ids), args.embedding_size),
                                        dtype=np.float32)
         features /= np.linalg.norm(features, axis=1, keepdims=True)
-        with PeakRSS() as rss:
-            start = time.perf_counter()
-            scores, labels = ijb.score_pairs(features, pictures.template_ids, layout.pairs)
-        phases["read and score the pairs"] = (time.perf_counter() - start, rss.peak)
-        with PeakRSS() as rss:
-            start = time.perf_counter()
-            ijb.tar_at_fars(ijb.roc_curve(scores, labels))
-        phases["ROC and TAR@FAR"] = (time.perf_counter() - start, rss.peak)
+        with measured("score the pairs", phases):
+            scores = ijb.score_pairs(features, pairs)
+        with measured("ROC and TAR@FAR", phases):
+            ijb.tar_at_fars(ijb.roc_curve(scores, pairs.labels))
     for phase, (seconds, peak) in phases.items():
         print(f"  {phase:26s} {seconds:6.1f} s   peak RSS {peak / MiB:7,.0f} MiB")
     peak = max(peak for _, peak in phases.values())
+    pairs_bytes = pairs.templates.nbytes + pairs.labels.nbytes
     print(f"peak RSS {peak / MiB:,.0f} MiB: {(peak - baseline) / MiB:,.0f} MiB above the "
           f"{baseline / MiB:,.0f} MiB of the process before (template features "
-          f"{features.nbytes / MiB:,.0f} MiB, scores and labels "
-          f"{(scores.nbytes + labels.nbytes) / MiB:,.0f} MiB)")
+          f"{features.nbytes / MiB:,.0f} MiB, pairs {pairs_bytes / MiB:,.0f} MiB, "
+          f"scores {scores.nbytes / MiB:,.0f} MiB)")
+
+
+@contextlib.contextmanager
+def measured(phase: str, phases: dict):
+    """phases[phase] = (seconds, peak RSS) of the block."""
+    with PeakRSS() as rss:
+        start = time.perf_counter()
+        yield
+    phases[phase] = (time.perf_counter() - start, rss.peak)

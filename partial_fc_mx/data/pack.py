@@ -165,17 +165,24 @@ def encoded_face(path: Path, report: PackReport, landmarks=None, unaligned: str 
     return encode_jpeg(cv2.cvtColor(image, cv2.COLOR_BGR2RGB))
 
 
-def folder_samples(root: Path, report: PackReport, landmarks: dict,
-                   unaligned: str | None) -> Iterator[tuple[int, bytes]]:
-    """One subfolder per identity (sorted names -> labels 0..); unusable files reported;
-    `landmarks` maps a path relative to `root` to its 5 points."""
+def folder_pictures(root: Path) -> tuple[list[tuple[int, Path]], int]:
+    """(label, path) of every picture of one subfolder per identity (sorted names ->
+    labels 0..), and the number of identities: the folder is listed once."""
     identities = sorted(p for p in root.iterdir() if p.is_dir())
-    for label, folder in enumerate(identities):
-        for path in sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES):
-            points = landmarks.get(plain_path(path.relative_to(root).as_posix()))
-            image = encoded_face(path, report, points, unaligned)
-            if image is not None:
-                yield label, image
+    pictures = [(label, path) for label, folder in enumerate(identities)
+                for path in sorted(folder.iterdir()) if path.suffix.lower() in IMAGE_SUFFIXES]
+    return pictures, len(identities)
+
+
+def picture_samples(pictures: list[tuple[int, Path]], root: Path, report: PackReport,
+                    landmarks: dict, unaligned: str | None) -> Iterator[tuple[int, bytes]]:
+    """The encoded pictures, by label; unusable files reported; `landmarks` maps a
+    path relative to `root` to its 5 points."""
+    for label, path in pictures:
+        points = landmarks.get(plain_path(path.relative_to(root).as_posix()))
+        image = encoded_face(path, report, points, unaligned)
+        if image is not None:
+            yield label, image
 
 
 def read_landmarks(path: Path) -> dict[str, np.ndarray]:
@@ -205,11 +212,13 @@ def matched_landmarks(points: dict, pictures: list[str], landmarks: str | os.Pat
                       root: Path) -> None:
     """A landmarks file none of whose paths names a picture is a mistake (paths relative
     to another folder), not a request to pack every picture unaligned."""
-    if points and not points.keys() & set(map(plain_path, pictures)):
-        example = next(iter(points))
-        raise DataError(f"none of the {len(points)} paths in {landmarks} names a picture under "
-                        f"{root} (e.g. {example!r}); its paths must be relative to {root}, "
-                        f"like {pictures[0]!r}" if pictures else f"{root} holds no pictures")
+    if not points or points.keys() & set(map(plain_path, pictures)):
+        return
+    if not pictures:
+        raise DataError(f"{root} holds no pictures")
+    raise DataError(f"none of the {len(points)} paths in {landmarks} names a picture under "
+                    f"{root} (e.g. {next(iter(points))!r}); its paths must be relative to "
+                    f"{root}, like {pictures[0]!r}")
 
 
 @dataclass(frozen=True)
@@ -285,12 +294,12 @@ def pack_folder(src: str | os.PathLike, out_dir: str | os.PathLike, crop: bool =
     root = Path(src)
     if not root.is_dir():
         raise DataError(f"{root} is not a folder of identity subfolders")
+    pictures, num_classes = folder_pictures(root)
     points = read_landmarks(Path(landmarks)) if landmarks else {}
-    matched_landmarks(points, [p.relative_to(root).as_posix() for p in root.glob("*/*")
-                               if p.suffix.lower() in IMAGE_SUFFIXES], landmarks, root)
+    matched_landmarks(points, [path.relative_to(root).as_posix() for _, path in pictures],
+                      landmarks, root)
     report = PackReport()
-    num_classes = sum(1 for p in root.iterdir() if p.is_dir())
-    return write_records(out_dir, folder_samples(root, report, points, unaligned),
+    return write_records(out_dir, picture_samples(pictures, root, report, points, unaligned),
                          num_classes, report)
 
 

@@ -184,9 +184,9 @@ def make_bin(pairs_file: str | os.PathLike, root: str | os.PathLike, out: str | 
             report = PackReport()
             image = encoded_face(root / relative, report, points.get(plain_path(relative)),
                                  unaligned, f"{pair.where}: {root / relative}")
-            if image is None:
-                (reason, _), = report.reasons.items()
-                raise DataError(f"{pair.where}: {root / relative}: {report.skipped[0][1]}; "
+            if image is None:  # its one skip says why
+                (_, why), reason = report.skipped[0], next(iter(report.reasons))
+                raise DataError(f"{pair.where}: {root / relative}: {why}; "
                                 f"fix: {FIXES[reason]}")
             encoded[relative] = image
     images = [encoded[name] for pair in pairs for name in (pair.first, pair.second)]
