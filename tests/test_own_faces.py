@@ -379,6 +379,11 @@ def test_ijb_pairs_are_read_in_blocks_with_bad_lines_named(tmp_path, monkeypatch
             monkeypatch.setattr(ijb, "PAIR_BLOCK_BYTES", block_bytes)
             with pytest.raises(DataError, match=re.escape(f"{layout.pairs} {message}")):
                 ijb.read_pairs(ids, layout.pairs)
+    layout.pairs.write_text("\n\n")
+    with pytest.raises(DataError, match=re.escape(f"{layout.pairs} lists no pairs")):
+        ijb.read_pairs(ids, layout.pairs)
+    assert ijb.score_pairs(features, ijb.Pairs(np.zeros((0, 2), np.int32),
+                                               np.zeros(0, np.int32))).shape == (0,)
 
 
 def test_ijb_landmarks_are_checked_before_embedding_and_loose_ones_warped(tmp_path):

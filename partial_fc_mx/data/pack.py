@@ -165,22 +165,23 @@ def encoded_face(path: Path, report: PackReport, landmarks=None, unaligned: str 
     return encode_jpeg(cv2.cvtColor(image, cv2.COLOR_BGR2RGB))
 
 
-def folder_pictures(root: Path) -> tuple[list[tuple[int, Path]], int]:
-    """(label, path) of every picture of one subfolder per identity (sorted names ->
-    labels 0..), and the number of identities: the folder is listed once."""
+def folder_pictures(root: Path) -> tuple[list[tuple[int, str]], int]:
+    """(label, path relative to `root`) of every picture of one subfolder per identity
+    (sorted names -> labels 0..), and the number of identities: the folder is listed
+    once, and a picture costs one short string until it is packed."""
     identities = sorted(p for p in root.iterdir() if p.is_dir())
-    pictures = [(label, path) for label, folder in enumerate(identities)
+    pictures = [(label, f"{folder.name}/{path.name}") for label, folder in enumerate(identities)
                 for path in sorted(folder.iterdir()) if path.suffix.lower() in IMAGE_SUFFIXES]
     return pictures, len(identities)
 
 
-def picture_samples(pictures: list[tuple[int, Path]], root: Path, report: PackReport,
+def picture_samples(pictures: list[tuple[int, str]], root: Path, report: PackReport,
                     landmarks: dict, unaligned: str | None) -> Iterator[tuple[int, bytes]]:
     """The encoded pictures, by label; unusable files reported; `landmarks` maps a
     path relative to `root` to its 5 points."""
-    for label, path in pictures:
-        points = landmarks.get(plain_path(path.relative_to(root).as_posix()))
-        image = encoded_face(path, report, points, unaligned)
+    for label, relative in pictures:
+        image = encoded_face(root / relative, report, landmarks.get(plain_path(relative)),
+                             unaligned)
         if image is not None:
             yield label, image
 
@@ -296,8 +297,7 @@ def pack_folder(src: str | os.PathLike, out_dir: str | os.PathLike, crop: bool =
         raise DataError(f"{root} is not a folder of identity subfolders")
     pictures, num_classes = folder_pictures(root)
     points = read_landmarks(Path(landmarks)) if landmarks else {}
-    matched_landmarks(points, [path.relative_to(root).as_posix() for _, path in pictures],
-                      landmarks, root)
+    matched_landmarks(points, [relative for _, relative in pictures], landmarks, root)
     report = PackReport()
     return write_records(out_dir, picture_samples(pictures, root, report, points, unaligned),
                          num_classes, report)

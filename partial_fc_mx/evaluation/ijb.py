@@ -11,10 +11,12 @@ ijbc_name_5pts_score.txt, IJBC/loose_crop/):
 - each listed template pair is scored by cosine similarity; TAR at each FAR is read
   from the ROC point whose FAR is nearest (arcface_torch's rule).
 
-IJB-C has ~470k pictures and ~15.7M pairs, so nothing grows with them but the
-scores: pictures are embedded batch by batch straight into their template's sum
-(each weighted by 1 / its media's size, known from the metadata beforehand), and the
-pairs file is read and scored in blocks with matrix products.
+IJB-C has ~470k pictures and ~15.7M pairs, so nothing grows with the pictures but
+their metadata: they are embedded batch by batch straight into their template's sum
+(each weighted by 1 / its media's size, known from the metadata beforehand). The
+pairs file is parsed and checked in blocks before the embedding and kept as int32
+template indices (179 MiB for IJB-C); the pairs are scored a block of gathered rows
+at a time.
 """
 
 from __future__ import annotations
@@ -229,6 +231,7 @@ def read_pairs(template_ids: np.ndarray, pairs_file: Path) -> Pairs:
     if not blocks:
         raise DataError(f"{pairs_file} lists no pairs")
     rows = np.concatenate(blocks)
+    del blocks  # not twice in memory
     return Pairs(rows[:, :2], rows[:, 2])
 
 
@@ -236,9 +239,10 @@ def score_pairs(features: np.ndarray, pairs: Pairs) -> np.ndarray:
     """The cosine similarity of every pair's unit template features, SCORE_ROWS pairs
     at a time (one product of gathered rows each)."""
     index = pairs.templates
-    return np.concatenate([
-        np.einsum("ij,ij->i", features[index[part, 0]], features[index[part, 1]])
-        for part in np.array_split(np.arange(len(index)), max(1, -(-len(index) // SCORE_ROWS)))])
+    return np.concatenate([np.empty(0, features.dtype), *(
+        np.einsum("ij,ij->i", features[index[start:start + SCORE_ROWS, 0]],
+                  features[index[start:start + SCORE_ROWS, 1]])
+        for start in range(0, len(index), SCORE_ROWS))])
 
 
 def pair_rows(template_ids: np.ndarray, pairs_file: Path) -> Iterator[np.ndarray]:
