@@ -18,6 +18,7 @@ import numpy as np
 
 from .center_optimizers import CenterOptimizer
 from .center_optimizers.sgd import SGD
+from .workspace import Workspace
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class ClassCenters:
                        for name, (width, state_dtype)
                        in optimizer.states(embedding_size, dtype).items()}
         self.rng = np.random.default_rng([seed, rank])
+        self.buffers = Workspace(ctx)
 
     def widths(self) -> dict[str, int]:
         """Columns of each array of state_dict(): the weight, then every state."""
@@ -100,9 +102,17 @@ class ClassCenters:
 
     def sampled_weights(self, index: mx.nd.NDArray | None) -> mx.nd.NDArray:
         """The rows `index` (all: None) in float32; the weight itself when it is float32
-        and every row is taken, so an update of it in place is the update."""
-        w = self.weight if index is None else mx.nd.take(self.weight, index)
-        return w.astype("float32", copy=False)
+        and every row is taken, so an update of it in place is the update. Otherwise a
+        buffer kept for the next step: valid until the next call."""
+        if index is None and self.dtype == "float32":
+            return self.weight
+        shape = (self.shard.count if index is None else len(index), self.embedding_size)
+        rows = self.weight
+        if index is not None:
+            rows = mx.nd.take(rows, index, out=self.buffers.get("taken", shape, self.dtype))
+        if self.dtype != "float32":
+            rows = mx.nd.Cast(rows, dtype="float32", out=self.buffers.get("float32", shape))
+        return rows
 
     def update(self, index: mx.nd.NDArray | None, w: mx.nd.NDArray, grad: mx.nd.NDArray,
                lr: float) -> None:

@@ -10,7 +10,9 @@ Each rank holds a shard of the C x D class centers with their optimizer states
   5. gradients: sampled centers (kept for `step`) and all N embeddings, summed over
      ranks with one allreduce; each rank keeps the rows of its own embeddings.
 The centers are normalized by scaling G's columns rather than w's rows: N x n
-multiplies instead of n x D, and w_hat is never materialized.
+multiplies instead of n x D, and w_hat is never materialized. The three GEMMs are
+explicit (no autograd), and the N x n and n x D matrices live in buffers kept across
+steps (workspace.py): a fresh array per step costs its page faults every step.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from .errors import UserError
 from .margins import Margin
 from .margins.combined import CombinedMargin
 from .sampling import sample_excluding
+from .workspace import Workspace
 
 
 class PartialFCInputError(UserError, ValueError):
@@ -91,7 +94,7 @@ class PartialFC:
         self.timer = timer or NoTimer()
         self._pending = None  # (index, sampled weights, their gradient) until step()
         self._last_rows = None  # shard rows sampled in the last step; None: all
-        self._grad_buffer = None  # d loss / d sampled centers, reused across steps
+        self.buffers = Workspace(self.ctx)  # logits, G and the centers' gradient
 
     @property
     def weight(self) -> mx.nd.NDArray:
@@ -125,43 +128,49 @@ class PartialFC:
         with self.timer.phase("compute"):
             x = batch.embeddings.as_in_context(self.ctx)
             x_norm = mx.nd.norm(x, axis=1, keepdims=True)
-            x_norm_inv = 1 / x_norm
-            x_hat = x * x_norm_inv
+            x_hat = x / x_norm
             norms = x_norm.reshape(-1)
             self.margin.observe(norms)
             w = self.centers.sampled_weights(index)
+            col_scale = self._col_scale(w)
         with self.timer.phase("gemm"):
-            gram = self._gram(x_hat, w)
+            gram = mx.nd.FullyConnected(x_hat, w, num_hidden=w.shape[0], no_bias=True,
+                                        out=self._buffer("gram", x_hat, w))
         with self.timer.phase("compute"):
-            logits, targets, col_scale = self._logits(gram, w, norms, target_col)
+            logits, targets = self._logits(gram, col_scale, norms, target_col)
+            local_max = row_maxes(logits)
         with self.timer.phase("communication"):
-            row_max = hvd.allreduce(logits.max(axis=1), op=hvd.Max, name="pfc.max")
+            row_max = hvd.allreduce(local_max, op=hvd.Max, name="pfc.max")
         with self.timer.phase("compute"):
-            mx.nd.broadcast_sub(logits, row_max.reshape((-1, 1)), out=logits)
-            exp = mx.nd.exp(logits, out=logits)
+            # MXNet's softmax has the fast vectorized exp (mx.nd.exp is 5-8x slower on
+            # CPU): prob = exp(logits - local_max) / local_sum, and the largest entry of
+            # a row is exp(0) / local_sum, so this rank's share of the row's exp-sum
+            # (shifted by the global max) needs no pass of its own
+            prob = mx.nd.softmax(logits, axis=1, out=logits)
+            local_sum = mx.nd.exp(local_max - row_max) / row_maxes(prob)
             target_logit = mx.nd.zeros_like(row_max)
             if targets.rows is not None:
                 target_logit[targets.rows] = targets.logits
-            sums = mx.nd.stack(row_sums(exp), target_logit, axis=1)
+            sums = mx.nd.stack(local_sum, target_logit, axis=1)
         with self.timer.phase("communication"):
             sums = hvd.allreduce(sums, op=hvd.Sum, name="pfc.sum")
         with self.timer.phase("compute"):
             exp_sum, target_logit = sums[:, 0], sums[:, 1]
             loss = (mx.nd.log(exp_sum) + row_max - target_logit).mean()
-            grad_gram = self._grad_gram(exp, exp_sum, col_scale, targets)
+            grad_gram = self._grad_gram(prob, local_sum / exp_sum, col_scale, targets)
             # |w_j| also enters through cos = G / |w_j|: its part of d loss / d w_j is
-            # -w_j / |w_j|^2 * sum_i dG_ij G_ij. G's buffer is free for the product (the
-            # recorded GEMM's backward needs only its inputs).
+            # -w_j / |w_j|^2 * sum_i dG_ij G_ij, written first; the GEMM adds (beta = 1)
             dg_g = mx.nd.elemwise_mul(grad_gram, gram, out=gram)
             per_row = col_sums(dg_g) * (col_scale / self.margin.scale) ** 2
+            grad_w = mx.nd.broadcast_mul(w, -per_row.reshape((-1, 1)),
+                                         out=self._buffer("grad_w", w))
         with self.timer.phase("gemm"):
-            gram.backward(grad_gram)
+            mx.nd.linalg.gemm(grad_gram, x_hat, grad_w, transpose_a=True, beta=1.0,
+                              out=grad_w)
+            grad_x_hat = mx.nd.dot(grad_gram, w)
         with self.timer.phase("compute"):
-            grad_w = w.grad
-            grad_w -= mx.nd.broadcast_mul(w, per_row.reshape((-1, 1)))
-            grad_x_hat = x_hat.grad
             grad_x = grad_x_hat - x_hat * (x_hat * grad_x_hat).sum(axis=1, keepdims=True)
-            grad_x = grad_x * (x_norm_inv * grad_scale)
+            grad_x = grad_x * (grad_scale / x_norm)
         with self.timer.phase("communication"):
             grad_x = hvd.allreduce(grad_x, op=hvd.Sum, name="pfc.grad_x")
         self._pending = (index, w, grad_w)
@@ -242,41 +251,42 @@ class PartialFC:
         index_nd = None if index is None else mx.nd.array(index, ctx=self.ctx, dtype="int64")
         return index_nd, target_col
 
-    def _gram(self, x_hat: mx.nd.NDArray, w: mx.nd.NDArray) -> mx.nd.NDArray:
-        """G = x_hat @ w.T, recorded: its backward (both GEMMs) runs in oneDNN, the
-        fastest of MXNet's GEMM paths measured on CPU (docs/benchmarks.md). The
-        centers' gradient lands in a buffer kept across steps: attach_grad would
-        allocate and zero n x D floats every step."""
-        if self._grad_buffer is None or self._grad_buffer.shape != w.shape:
-            self._grad_buffer = mx.nd.empty(w.shape, ctx=self.ctx)
-        mx.autograd.mark_variables([w], [self._grad_buffer], grad_reqs="write")
-        x_hat.attach_grad()
-        with mx.autograd.record():
-            return mx.nd.FullyConnected(x_hat, w, num_hidden=w.shape[0], no_bias=True)
+    def _buffer(self, name: str, rows: mx.nd.NDArray, cols: mx.nd.NDArray | None = None):
+        """This step's rows x cols (a matrix of rows' shape when cols is None) in a
+        buffer kept across steps (workspace.py)."""
+        shape = rows.shape if cols is None else (rows.shape[0], cols.shape[0])
+        return self.buffers.get(name, shape)
 
-    def _logits(self, gram, w, norms, target_col: np.ndarray) -> tuple:
+    def _col_scale(self, w: mx.nd.NDArray) -> mx.nd.NDArray:
+        """s / |w_j|. The squares go to the centers' gradient buffer, unused until the
+        backward GEMMs."""
+        squares = mx.nd.square(w, out=self._buffer("grad_w", w))
+        return self.margin.scale / mx.nd.sqrt(row_sums(squares))
+
+    def _logits(self, gram, col_scale, norms, target_col: np.ndarray) -> tuple:
         """Scaled cosines with the margin on the targets in this shard."""
-        col_scale = self.margin.scale / mx.nd.sqrt(row_sums(mx.nd.square(w)))  # s / |w_j|
-        logits = mx.nd.broadcast_mul(gram, col_scale.reshape((1, -1)))
+        logits = mx.nd.broadcast_mul(gram, col_scale.reshape((1, -1)),
+                                     out=self._buffer("logits", gram))
         targets = Targets.of(target_col, self.ctx)
         if targets.rows is not None:
             cos = mx.nd.gather_nd(logits, targets.where) / self.margin.scale
             targets.logits, targets.slopes = self.margin(cos, mx.nd.take(norms, targets.rows))
             set_entries(logits, targets.where, targets.logits)
-        return logits, targets, col_scale
+        return logits, targets
 
-    def _grad_gram(self, exp, exp_sum, col_scale, targets) -> mx.nd.NDArray:
-        """d loss / d G, in the buffer that held exp(logits - max)."""
-        batch = exp.shape[0]
-        prob = mx.nd.broadcast_div(exp, exp_sum.reshape((-1, 1)), out=exp)
+    def _grad_gram(self, prob, share, col_scale, targets) -> mx.nd.NDArray:
+        """d loss / d G, in the buffer of `prob` (this rank's softmax of each row, whose
+        global probabilities are prob * share): p_ij * (s / |w_j|) / N off the targets,
+        (p - 1) * slope / |w_j| / N on them."""
+        batch = prob.shape[0]
         if targets.rows is not None:
-            p_target = mx.nd.gather_nd(prob, targets.where)
+            p_target = mx.nd.gather_nd(prob, targets.where) * mx.nd.take(share, targets.rows)
             col = mx.nd.take(col_scale, targets.cols)
-            # d logit / d G_ij = slope * (1/|w_j|) on a target, s/|w_j| elsewhere
-            target_grad = (p_target - 1) * targets.slopes * col / self.margin.scale
+            target_grad = (p_target - 1) * targets.slopes * col / (self.margin.scale * batch)
         grad = mx.nd.broadcast_mul(prob, col_scale.reshape((1, -1)) / batch, out=prob)
+        grad = mx.nd.broadcast_mul(grad, share.reshape((-1, 1)), out=grad)
         if targets.rows is not None:
-            set_entries(grad, targets.where, target_grad / batch)
+            set_entries(grad, targets.where, target_grad)
         return grad
 
 
@@ -308,8 +318,9 @@ class Targets:
         return cls(as_nd(rows), as_nd(cols), as_nd(np.stack([rows, cols])))
 
 
-# Row and column sums as GEMVs against a vector of ones: on CPU these run 2-10x
-# faster than MXNet's sum(axis=...) reductions (docs/benchmarks.md).
+# Row sums, column sums and row maxima through GEMVs and a max pooling: on CPU these
+# run 2-10x faster than MXNet's sum(axis=...) and max(axis=1) reductions
+# (docs/benchmarks.md).
 def row_sums(matrix: mx.nd.NDArray) -> mx.nd.NDArray:
     ones = mx.nd.ones((1, matrix.shape[1]), ctx=matrix.context, dtype=matrix.dtype)
     return mx.nd.FullyConnected(matrix, ones, num_hidden=1, no_bias=True).reshape(-1)
@@ -318,6 +329,12 @@ def row_sums(matrix: mx.nd.NDArray) -> mx.nd.NDArray:
 def col_sums(matrix: mx.nd.NDArray) -> mx.nd.NDArray:
     ones = mx.nd.ones((1, matrix.shape[0]), ctx=matrix.context, dtype=matrix.dtype)
     return mx.nd.dot(ones, matrix).reshape(-1)
+
+
+def row_maxes(matrix: mx.nd.NDArray) -> mx.nd.NDArray:
+    rows, cols = matrix.shape
+    return mx.nd.Pooling(matrix.reshape((1, rows, 1, cols)), kernel=(1, 1), global_pool=True,
+                         pool_type="max").reshape(-1)
 
 
 def set_entries(matrix: mx.nd.NDArray, where: mx.nd.NDArray, values: mx.nd.NDArray) -> None:

@@ -8,6 +8,7 @@ and compares with the float64 full-softmax reference in pfc_reference.py. It pri
                                           fp16, fp16-sampled, bf16, adamw, adamw-sampled,
                                           adamw-fp16-sampled, adamw-dense-sampled,
                                           adaface, adaface-sampled, adaface-unequal,
+                                          far, varying,
                                           bad-label, nonfinite, width, loss-scale)
 """
 
@@ -54,7 +55,7 @@ def margins(case: str) -> tuple:
     """(PartialFC's margin, the reference's, scale). AdaFace starts from statistics near
     the test's norms (about 4.9 +- 0.7) and follows them fast (t_alpha 0.5); with h = 1
     its quality z spreads over [-1, 1], clipped at both ends for some rows (checked)."""
-    scale = 30.0
+    scale = 64.0 if case == "far" else 30.0
     if "adaface" not in case:
         return (1.0, 0.5, 0.0), (1.0, 0.5, 0.0), scale
     m, h, t_alpha, mean, std = 0.4, 1.0, 0.5, 5.0, 0.4
@@ -82,16 +83,36 @@ def center_optimizer(case: str):
             lambda rng, shape: {"mom": 0.01 * rng.normal(size=shape)})
 
 
+def far_apart(rng, weight: np.ndarray, dim: int):
+    """The "far" case: every embedding near one direction u, the first half of the
+    classes near u and the others near -u. With s = 64 a row's logits on the second
+    half's ranks sit ~128 below its maximum: exp underflows to zero in float32, and
+    those ranks' share of every row's softmax is 0, targets among them included."""
+    u = np.zeros(dim)
+    u[0] = 1.0
+    half = len(weight) // 2
+    weight[:half] = u + 0.05 * rng.normal(size=(half, dim))
+    weight[half:] = -u + 0.05 * rng.normal(size=(len(weight) - half, dim))
+
+    def near_u(x):
+        return (u + 0.05 * x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+    return near_u
+
+
 def run_steps(case: str, rank: int, world: int) -> dict:
-    sampled, fp16 = "sampled" in case, "fp16" in case
+    sampled, fp16 = "sampled" in case or case == "varying", "fp16" in case
     lazy = "dense" not in case  # dense: every row's states and decay, every step
     num_classes, dim = (400, 24) if sampled else (53, 24)
-    sample_rate = 0.2 if sampled else 1.0
+    # varying: 4 sampled rows per shard of 200, fewer than a batch's positives in one
+    # step, more in the next: the step's buffers shrink and grow (workspace.py)
+    sample_rate = {"varying": 0.02}.get(case, 0.2 if sampled else 1.0)
     batch_sizes = [4 + r for r in range(world)] if "unequal" in case else [5] * world
+    batch_sizes = [8] * world if case == "varying" else batch_sizes
     margin, reference_margin, scale = margins(case)
     optimizer, lr, reference_update, start_states = center_optimizer(case)
     rng = np.random.default_rng(1)
     weight = rng.normal(size=(num_classes, dim)).astype(np.float32)
+    reshape = far_apart(rng, weight, dim) if case == "far" else (lambda x: x)
     states = start_states(rng, (num_classes, dim))
     pfc = PartialFC(num_classes, dim, rank=rank, world_size=world, sample_rate=sample_rate,
                     margin=margin, scale=scale, fp16_centers=fp16, seed=7, lazy_update=lazy,
@@ -107,8 +128,12 @@ def run_steps(case: str, rank: int, world: int) -> dict:
     ref_states = {name: state.astype(np.float64) for name, state in states.items()}
     errors = {"loss": 0.0, "grad": 0.0, "weight": 0.0, "update": 0.0,
               **{f"state_{name}": 0.0 for name in states}}
-    for step in range(2):
+    sample_sizes = []
+    for step in range(3 if case == "varying" else 2):
         x, labels, offsets = problem(100 + step, world, num_classes, dim, batch_sizes)
+        x = reshape(x)
+        if case == "varying" and step == 1:
+            labels %= 2  # two classes, both on rank 0
         mine = slice(offsets[rank], offsets[rank + 1])
         local_x = mx.nd.array(x[mine])
         if fp16 or "bf16" in case:  # the reference sees the same rounded embeddings
@@ -120,6 +145,7 @@ def run_steps(case: str, rank: int, world: int) -> dict:
         pfc.step(lr)
         assert grad.dtype == local_x.dtype and grad.shape == local_x.shape
         sampled = np.sort(np.concatenate(hvd.allgather_object(pfc.sampled_classes)))
+        sample_sizes.append(len(pfc.sampled_classes))
         if "adaface" in case:  # the batch statistics, then the margin that uses them
             reference_margin.observe(np.linalg.norm(x.astype(np.float64), axis=1))
             kept = pfc.margin.state_dict()
@@ -149,11 +175,20 @@ def run_steps(case: str, rank: int, world: int) -> dict:
         elif len(untouched):  # dense: they moved by their states and decay alone
             assert not np.array_equal(got["weight"][untouched], before["weight"][untouched])
             errors["moved_unsampled_rows"] = len(untouched)
+        if case == "far":  # every row's logits span more than float32's exp range
+            w_hat = ref_w[sampled] / np.linalg.norm(ref_w[sampled], axis=1, keepdims=True)
+            cos = x / np.linalg.norm(x, axis=1, keepdims=True) @ w_hat.T
+            errors["logit_spread"] = float(scale * (cos.max(1) - cos.min(1)).min())
+            assert errors["logit_spread"] > 104, errors  # exp(-104) is 0 in float32
         ref_w, ref_states = new_w, new_states
         if fp16:  # the stored values are rounded (float16 centers); continue from them
             ref_w = np.concatenate(hvd.allgather_object(got["weight"])).astype(np.float64)
             ref_states = {name: np.concatenate(hvd.allgather_object(got[name])).astype(np.float64)
                           for name in states}
+    if case == "varying":
+        errors["sample_sizes"] = "/".join(map(str, sample_sizes))
+        a, b, c = sample_sizes
+        assert a > b < c, f"the sample size did not shrink and grow: {sample_sizes}"
     return errors
 
 

@@ -55,6 +55,8 @@ def assert_every_rank_passed(result, world: int, case: str):
     ("python", 1, "adaface"),         # AdaFace: global-batch norm statistics, W = 1, 2, 3
     ("horovodrun", 2, "adaface-sampled"),
     ("mpirun", 3, "adaface-unequal"),
+    ("horovodrun", 2, "far"),         # logits 120 apart: one rank's softmax share is 0
+    ("mpirun", 3, "varying"),         # the sampled count shrinks and grows: buffer views
     ("python", 1, "loss-scale"),      # the fp16 loss scale is applied before the cast
     ("mpirun", 2, "loss-scale"),
 ])

@@ -1,0 +1,33 @@
+"""Buffers kept across Partial FC steps: views of the shape asked for, grown only when
+a step needs more, never shrunk, and reused (no allocation) for the same shape."""
+
+from __future__ import annotations
+
+import mxnet as mx
+import numpy as np
+
+from partial_fc_mx.workspace import Workspace
+
+
+def test_a_buffer_is_reused_for_the_same_or_a_smaller_shape():
+    buffers = Workspace(mx.cpu())
+    first = buffers.get("logits", (4, 6))
+    first[:] = 7
+    assert buffers.nbytes() == 4 * 6 * 4
+    smaller = buffers.get("logits", (3, 5))
+    assert smaller.shape == (3, 5) and buffers.nbytes() == 4 * 6 * 4
+    # the same memory: what the last step left is there, nothing was allocated
+    assert np.all(smaller.asnumpy() == 7)
+    mx.nd.exp(mx.nd.zeros((3, 5)), out=smaller)
+    assert np.all(buffers.get("logits", (4, 6)).asnumpy().reshape(-1)[:15] == 1)
+
+
+def test_a_buffer_grows_for_a_larger_shape_or_another_dtype():
+    buffers = Workspace(mx.cpu())
+    buffers.get("rows", (2, 3))
+    grown = buffers.get("rows", (5, 3))
+    assert grown.shape == (5, 3) and buffers.nbytes() == 5 * 3 * 4
+    half = buffers.get("rows", (5, 3), "float16")
+    assert half.dtype == np.float16 and buffers.nbytes() == 5 * 3 * 2
+    other = buffers.get("grad", (5, 3))
+    assert buffers.nbytes() == 5 * 3 * 2 + 5 * 3 * 4 and other.dtype == np.float32
