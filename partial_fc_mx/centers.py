@@ -137,14 +137,26 @@ class ClassCenters:
         store the rows back in their dtypes. In place where nothing needs a copy (float32
         storage, every row); otherwise gathered, updated in float32 and stored rounded."""
         rows = slice(None) if index is None else index
-        taken = {n: s if index is None else mx.nd.take(s, index) for n, s in self.states.items()}
-        work = {n: s.astype("float32", copy=False) for n, s in taken.items()}
+        work = {name: self._float32_rows(name, state, index)
+                for name, state in self.states.items()}
         rule(w, work)
         if w is not self.weight:
             self.weight[rows] = w.astype(self.dtype, copy=False)
         for name, state in self.states.items():
             if work[name] is not state:
                 state[rows] = work[name].astype(state.dtype, copy=False)
+
+    def _float32_rows(self, name: str, state: mx.nd.NDArray,
+                      index: mx.nd.NDArray | None) -> mx.nd.NDArray:
+        """Rows `index` (None: all, in place) of a state in float32, in buffers kept
+        across steps."""
+        if index is None:
+            return state.astype("float32", copy=False)
+        shape = (len(index), state.shape[1])
+        rows = mx.nd.take(state, index, out=self.buffers.get(f"taken {name}", shape, state.dtype))
+        if state.dtype != np.float32:
+            rows = mx.nd.Cast(rows, dtype="float32", out=self.buffers.get(f"float32 {name}", shape))
+        return rows
 
 
 CENTER_BLOCK = 4096
