@@ -141,10 +141,17 @@ class ClassCenters:
                 for name, state in self.states.items()}
         rule(w, work)
         if w is not self.weight:
-            self.weight[rows] = w.astype(self.dtype, copy=False)
+            self.weight[rows] = self._stored(w, "taken", self.dtype)
         for name, state in self.states.items():
             if work[name] is not state:
-                state[rows] = work[name].astype(state.dtype, copy=False)
+                state[rows] = self._stored(work[name], f"taken {name}", state.dtype)
+
+    def _stored(self, rows: mx.nd.NDArray, buffer: str, dtype) -> mx.nd.NDArray:
+        """float32 `rows` in the storage dtype: as they are, or rounded into the buffer
+        they were gathered through (free again once they are in float32)."""
+        if rows.dtype == np.dtype(dtype):
+            return rows
+        return mx.nd.Cast(rows, dtype=dtype, out=self.buffers.get(buffer, rows.shape, dtype))
 
     def _float32_rows(self, name: str, state: mx.nd.NDArray,
                       index: mx.nd.NDArray | None) -> mx.nd.NDArray:
@@ -222,6 +229,12 @@ def estimate_memory(
                  + sum(width * np.dtype(state_dtype).itemsize for width, state_dtype in states))
     sampled = min(rows, max(num_sample(rows, sample_rate), global_batch))
     fp32 = 4
-    sampled_rows = sampled * (2 * embedding_size + sum(width for width, _ in states)) * fp32
+    # float32 work copies of the sampled rows, their gradient and states, and the
+    # buffers the rows stored in another dtype are gathered through
+    gathered = (embedding_size * np.dtype(dtype).itemsize * (dtype != "float32")
+                + sum(width * np.dtype(state_dtype).itemsize
+                      for width, state_dtype in states if state_dtype != "float32"))
+    sampled_rows = sampled * ((2 * embedding_size + sum(width for width, _ in states)) * fp32
+                              + gathered)
     logits = 3 * global_batch * sampled * fp32
     return MemoryEstimate(rows * row_bytes, sampled_rows + logits)

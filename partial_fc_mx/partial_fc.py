@@ -143,11 +143,13 @@ class PartialFC:
             row_max = hvd.allreduce(local_max, op=hvd.Max, name="pfc.max")
         with self.timer.phase("compute"):
             # MXNet's softmax has the fast vectorized exp (mx.nd.exp is 5-8x slower on
-            # CPU): prob = exp(logits - local_max) / local_sum, and the largest entry of
-            # a row is exp(0) / local_sum, so this rank's share of the row's exp-sum
-            # (shifted by the global max) needs no pass of its own
+            # CPU): prob = exp(logits - local_max) / local_sum, whose largest entry is
+            # exp(0) / local_sum, so this rank's part of the row's exp-sum (shifted by
+            # the global max) is sum(prob) / max(prob) * exp(local_max - row_max). The
+            # sum (~1) carries a NaN anywhere in the row into the loss, which the
+            # pooled max alone would skip.
             prob = mx.nd.softmax(logits, axis=1, out=logits)
-            local_sum = mx.nd.exp(local_max - row_max) / row_maxes(prob)
+            local_sum = row_sums(prob) / row_maxes(prob) * mx.nd.exp(local_max - row_max)
             target_logit = mx.nd.zeros_like(row_max)
             if targets.rows is not None:
                 target_logit[targets.rows] = targets.logits
@@ -332,6 +334,10 @@ def col_sums(matrix: mx.nd.NDArray) -> mx.nd.NDArray:
 
 
 def row_maxes(matrix: mx.nd.NDArray) -> mx.nd.NDArray:
+    """A global max pooling on CPU (NaN is skipped there, unlike max(axis=1)); on GPU,
+    where pooling runs one thread per row, MXNet's reduction."""
+    if matrix.context.device_type != "cpu":
+        return matrix.max(axis=1)
     rows, cols = matrix.shape
     return mx.nd.Pooling(matrix.reshape((1, rows, 1, cols)), kernel=(1, 1), global_pool=True,
                          pool_type="max").reshape(-1)

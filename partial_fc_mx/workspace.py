@@ -16,6 +16,9 @@ import math
 import mxnet as mx
 import numpy as np
 
+GROWTH = 1.25
+"""A buffer that must grow takes at least this factor more."""
+
 
 class Workspace:
     def __init__(self, ctx: mx.Context) -> None:
@@ -30,9 +33,11 @@ class Workspace:
         size = math.prod(shape)
         buffer = self._buffers.get(name)
         if buffer is None or buffer.size < size or buffer.dtype != np.dtype(dtype):
+            if buffer is not None and buffer.dtype == np.dtype(dtype):
+                size = max(size, int(GROWTH * buffer.size))  # no regrowth at each new record
             buffer = mx.nd.empty((size,), ctx=self.ctx, dtype=dtype)
             self._buffers[name] = buffer
-        return buffer[:size].reshape(shape)
+        return buffer[:math.prod(shape)].reshape(shape)
 
     def nbytes(self) -> int:
         """Bytes held by all buffers (a step that reuses them does not grow this)."""

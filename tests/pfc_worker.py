@@ -8,7 +8,7 @@ and compares with the float64 full-softmax reference in pfc_reference.py. It pri
                                           fp16, fp16-sampled, bf16, adamw, adamw-sampled,
                                           adamw-fp16-sampled, adamw-dense-sampled,
                                           adaface, adaface-sampled, adaface-unequal,
-                                          far, varying,
+                                          far, varying, nan-center,
                                           bad-label, nonfinite, width, loss-scale)
 """
 
@@ -85,9 +85,10 @@ def center_optimizer(case: str):
 
 def far_apart(rng, weight: np.ndarray, dim: int):
     """The "far" case: every embedding near one direction u, the first half of the
-    classes near u and the others near -u. With s = 64 a row's logits on the second
-    half's ranks sit ~128 below its maximum: exp underflows to zero in float32, and
-    those ranks' share of every row's softmax is 0, targets among them included."""
+    classes near u and the others near -u. With s = 64 the best logit of every row on
+    the second half's rank sits ~100 below the row's maximum: its exp underflows
+    float32's normal range, and that rank's share of every row's softmax is denormal or
+    zero, targets among them included."""
     u = np.zeros(dim)
     u[0] = 1.0
     half = len(weight) // 2
@@ -103,8 +104,9 @@ def run_steps(case: str, rank: int, world: int) -> dict:
     sampled, fp16 = "sampled" in case or case == "varying", "fp16" in case
     lazy = "dense" not in case  # dense: every row's states and decay, every step
     num_classes, dim = (400, 24) if sampled else (53, 24)
-    # varying: 4 sampled rows per shard of 200, fewer than a batch's positives in one
-    # step, more in the next: the step's buffers shrink and grow (workspace.py)
+    # varying: 2% of a shard sampled, fewer rows than a batch's positives in the first
+    # and last step, more in the middle one: the step's buffers shrink, then regrow
+    # past their first size (workspace.py)
     sample_rate = {"varying": 0.02}.get(case, 0.2 if sampled else 1.0)
     batch_sizes = [4 + r for r in range(world)] if "unequal" in case else [5] * world
     batch_sizes = [8] * world if case == "varying" else batch_sizes
@@ -128,7 +130,7 @@ def run_steps(case: str, rank: int, world: int) -> dict:
     ref_states = {name: state.astype(np.float64) for name, state in states.items()}
     errors = {"loss": 0.0, "grad": 0.0, "weight": 0.0, "update": 0.0,
               **{f"state_{name}": 0.0 for name in states}}
-    sample_sizes = []
+    sample_sizes, buffer_bytes = [], []
     for step in range(3 if case == "varying" else 2):
         x, labels, offsets = problem(100 + step, world, num_classes, dim, batch_sizes)
         x = reshape(x)
@@ -146,6 +148,7 @@ def run_steps(case: str, rank: int, world: int) -> dict:
         assert grad.dtype == local_x.dtype and grad.shape == local_x.shape
         sampled = np.sort(np.concatenate(hvd.allgather_object(pfc.sampled_classes)))
         sample_sizes.append(len(pfc.sampled_classes))
+        buffer_bytes.append(pfc.buffers.nbytes())
         if "adaface" in case:  # the batch statistics, then the margin that uses them
             reference_margin.observe(np.linalg.norm(x.astype(np.float64), axis=1))
             kept = pfc.margin.state_dict()
@@ -175,11 +178,15 @@ def run_steps(case: str, rank: int, world: int) -> dict:
         elif len(untouched):  # dense: they moved by their states and decay alone
             assert not np.array_equal(got["weight"][untouched], before["weight"][untouched])
             errors["moved_unsampled_rows"] = len(untouched)
-        if case == "far":  # every row's logits span more than float32's exp range
+        if case == "far":  # some rank's best logit of every row is past exp's range
             w_hat = ref_w[sampled] / np.linalg.norm(ref_w[sampled], axis=1, keepdims=True)
             cos = x / np.linalg.norm(x, axis=1, keepdims=True) @ w_hat.T
-            errors["logit_spread"] = float(scale * (cos.max(1) - cos.min(1)).min())
-            assert errors["logit_spread"] > 104, errors  # exp(-104) is 0 in float32
+            mine = np.isin(sampled, pfc.sampled_classes)
+            gap = scale * (cos[:, mine].max(1) - cos.max(1))
+            # exp(-87.4) is below float32's smallest normal number: denormal or zero
+            underflowed = hvd.allgather_object(int((gap < -87.4).sum()))
+            assert max(underflowed) == len(x), (underflowed, gap)
+            errors["underflowed_rows"] = underflowed[rank]
         ref_w, ref_states = new_w, new_states
         if fp16:  # the stored values are rounded (float16 centers); continue from them
             ref_w = np.concatenate(hvd.allgather_object(got["weight"])).astype(np.float64)
@@ -189,6 +196,8 @@ def run_steps(case: str, rank: int, world: int) -> dict:
         errors["sample_sizes"] = "/".join(map(str, sample_sizes))
         a, b, c = sample_sizes
         assert a > b < c, f"the sample size did not shrink and grow: {sample_sizes}"
+        regrown = hvd.allgather_object(buffer_bytes[2] > buffer_bytes[0])
+        assert any(regrown), f"no rank's buffers grew past their first size: {buffer_bytes}"
     return errors
 
 
@@ -208,6 +217,21 @@ def run_bad_input(case: str, rank: int, world: int) -> str:
     except PartialFCInputError as error:
         return str(error)
     raise AssertionError(f"rank {rank}: bad input on rank {culprit} was accepted")
+
+
+def run_nan_center(rank: int, world: int) -> str:
+    """A NaN in one rank's sampled centers must make the loss NaN on every rank (the
+    trainer stops on a non-finite loss), not be skipped by the pooled row maxima."""
+    pfc = PartialFC(20, 8, rank=rank, world_size=world)
+    if rank == world - 1:
+        weight = pfc.centers.state_dict()["weight"]
+        weight[1, 3] = np.nan
+        pfc.centers.load_state_dict({"weight": weight})
+    labels = np.arange(4) + 4 * rank
+    loss, grad = pfc.forward_backward(mx.nd.ones((4, 8)), labels)
+    grad.wait_to_read()  # its allreduce finishes before any rank exits
+    assert np.isnan(loss.asscalar()), f"rank {rank}: loss {loss.asscalar()} with a NaN center"
+    return "loss is NaN"
 
 
 def run_loss_scale(rank: int, world: int) -> str:
@@ -241,6 +265,9 @@ def main() -> None:
     rank, world = hvd.rank(), hvd.size()
     if case == "loss-scale":
         print(f"PASS rank {rank}/{world} {case}: {run_loss_scale(rank, world)}", flush=True)
+        return
+    if case == "nan-center":
+        print(f"PASS rank {rank}/{world} {case}: {run_nan_center(rank, world)}", flush=True)
         return
     if case in ("bad-label", "nonfinite", "width"):
         print(f"REJECTED rank {rank}: {run_bad_input(case, rank, world)}", flush=True)

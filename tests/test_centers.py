@@ -85,6 +85,21 @@ def test_memory_estimate_counts_every_state():
     assert fp16.centers == 1000 * (512 * 2 + 512 * 4 * 2 + 4)
 
 
+@pytest.mark.parametrize("optimizer", [SGD(), AdamW()])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_memory_estimate_covers_the_buffers_an_update_keeps(optimizer, dtype):
+    """The rows gathered for a step, their float32 copies and the gradient stay in
+    buffers between steps (workspace.py); the per-step estimate must hold them."""
+    subject = centers(optimizer, dtype=dtype, rows=200, rank=0, world=1)
+    index = mx.nd.array(np.arange(0, 200, 4), dtype="int64")  # 50 of 200 rows
+    grad = mx.nd.ones((50, 8))
+    subject.update(index, subject.sampled_weights(index), grad, 0.1)
+    estimate = estimate_memory(200, 8, 1, 0, 0.25, 1, fp16_centers=dtype == "float16",
+                               optimizer=optimizer)
+    logits = 3 * 1 * 50 * 4
+    assert subject.buffers.nbytes() + grad.size * 4 <= estimate.working - logits
+
+
 def test_all_finite_checks_each_dtype():
     half = mx.nd.array([1.0, np.nan]).astype("float16")
     full = mx.nd.ones(3)

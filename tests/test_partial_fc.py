@@ -57,6 +57,7 @@ def assert_every_rank_passed(result, world: int, case: str):
     ("mpirun", 3, "adaface-unequal"),
     ("horovodrun", 2, "far"),         # logits 120 apart: one rank's softmax share is 0
     ("mpirun", 3, "varying"),         # the sampled count shrinks and grows: buffer views
+    ("mpirun", 2, "nan-center"),      # a NaN center makes the loss NaN on every rank
     ("python", 1, "loss-scale"),      # the fp16 loss scale is applied before the cast
     ("mpirun", 2, "loss-scale"),
 ])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import mxnet as mx
 import numpy as np
 
-from partial_fc_mx.workspace import Workspace
+from partial_fc_mx.workspace import GROWTH, Workspace
 
 
 def test_a_buffer_is_reused_for_the_same_or_a_smaller_shape():
@@ -27,6 +27,12 @@ def test_a_buffer_grows_for_a_larger_shape_or_another_dtype():
     buffers.get("rows", (2, 3))
     grown = buffers.get("rows", (5, 3))
     assert grown.shape == (5, 3) and buffers.nbytes() == 5 * 3 * 4
+    # a small growth takes GROWTH more, so a sample that grows by a row each step
+    # does not reallocate every step
+    assert buffers.get("rows", (16, 1)).shape == (16, 1)
+    assert buffers.nbytes() == int(15 * GROWTH) * 4
+    buffers.get("rows", (18,))
+    assert buffers.nbytes() == int(15 * GROWTH) * 4
     half = buffers.get("rows", (5, 3), "float16")
     assert half.dtype == np.float16 and buffers.nbytes() == 5 * 3 * 2
     other = buffers.get("grad", (5, 3))
