@@ -104,15 +104,7 @@ class ClassCenters:
         """The rows `index` (all: None) in float32; the weight itself when it is float32
         and every row is taken, so an update of it in place is the update. Otherwise a
         buffer kept for the next step: valid until the next call."""
-        if index is None and self.dtype == "float32":
-            return self.weight
-        shape = (self.shard.count if index is None else len(index), self.embedding_size)
-        rows = self.weight
-        if index is not None:
-            rows = mx.nd.take(rows, index, out=self.buffers.get("taken", shape, self.dtype))
-        if self.dtype != "float32":
-            rows = mx.nd.Cast(rows, dtype="float32", out=self.buffers.get("float32", shape))
-        return rows
+        return self._float32_rows("weight", self.weight, index)
 
     def update(self, index: mx.nd.NDArray | None, w: mx.nd.NDArray, grad: mx.nd.NDArray,
                lr: float) -> None:
@@ -141,7 +133,7 @@ class ClassCenters:
                 for name, state in self.states.items()}
         rule(w, work)
         if w is not self.weight:
-            self.weight[rows] = self._stored(w, "taken", self.dtype)
+            self.weight[rows] = self._stored(w, "taken weight", self.dtype)
         for name, state in self.states.items():
             if work[name] is not state:
                 state[rows] = self._stored(work[name], f"taken {name}", state.dtype)
@@ -153,16 +145,19 @@ class ClassCenters:
             return rows
         return mx.nd.Cast(rows, dtype=dtype, out=self.buffers.get(buffer, rows.shape, dtype))
 
-    def _float32_rows(self, name: str, state: mx.nd.NDArray,
+    def _float32_rows(self, name: str, array: mx.nd.NDArray,
                       index: mx.nd.NDArray | None) -> mx.nd.NDArray:
-        """Rows `index` (None: all, in place) of a state in float32, in buffers kept
-        across steps."""
-        if index is None:
-            return state.astype("float32", copy=False)
-        shape = (len(index), state.shape[1])
-        rows = mx.nd.take(state, index, out=self.buffers.get(f"taken {name}", shape, state.dtype))
-        if state.dtype != np.float32:
-            rows = mx.nd.Cast(rows, dtype="float32", out=self.buffers.get(f"float32 {name}", shape))
+        """Rows `index` (None: all) of the weight or a state in float32: the array itself
+        when it is float32 and every row is taken, else gathered and cast through
+        buffers kept across steps."""
+        rows = array
+        if index is not None:
+            shape = (len(index), array.shape[1])
+            rows = mx.nd.take(array, index,
+                              out=self.buffers.get(f"taken {name}", shape, array.dtype))
+        if rows.dtype != np.float32:
+            rows = mx.nd.Cast(rows, dtype="float32",
+                              out=self.buffers.get(f"float32 {name}", rows.shape))
         return rows
 
 

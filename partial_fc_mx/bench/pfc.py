@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import mxnet as mx
 import numpy as np
@@ -57,37 +58,40 @@ def run(args: argparse.Namespace) -> None:
         print_report(args, world, everyone)
 
 
-def numpy_sgemm_gflops(rows: int, cols: int, depth: int, alone: bool, repeats: int = 5) -> float:
-    """The host's float32 GEMM speed on the forward GEMM's shape (numpy, all cores).
-
-    Only the first rank of each host measures (`alone`); the others wait, so the
-    figure is the whole host's peak, to compare with the sum over its ranks.
-    """
-    times = []
+def numpy_sgemm_gflops(rows: int, cols: int, depth: int, alone: bool) -> float:
+    """The host's float32 GEMM speed on the forward GEMM's shape (numpy, all cores)."""
+    a = b = None
     if alone:
         a = np.random.default_rng(0).standard_normal((rows, depth), dtype=np.float32)
         b = np.random.default_rng(1).standard_normal((cols, depth), dtype=np.float32)
-        for _ in range(repeats):
-            start = time.perf_counter()
-            a @ b.T
-            times.append(time.perf_counter() - start)
-    dist.barrier("bench")
-    return 2 * rows * cols * depth / statistics.median(times) / 1e9 if alone else 0.0
+    seconds = host_median_seconds(alone, lambda: a @ b.T)
+    return 2 * rows * cols * depth / seconds / 1e9 if alone else 0.0
 
 
-def memory_bandwidth_gbs(alone: bool, megabytes: int = 512, repeats: int = 5) -> float:
+def memory_bandwidth_gbs(alone: bool, megabytes: int = 512) -> float:
     """The host's memory bandwidth (GB/s read + written) copying a large float32 array
-    with numpy; measured by the first rank of each host alone, as the GEMM speed."""
-    times = []
+    with numpy."""
+    source = target = None
     if alone:
         source = np.ones(megabytes * 2**20 // 4, np.float32)
         target = np.empty_like(source)
-        for _ in range(repeats):
+    seconds = host_median_seconds(alone, lambda: np.copyto(target, source))
+    return 2 * megabytes * 2**20 / seconds / 1e9 if alone else 0.0
+
+
+def host_median_seconds(alone: bool, work: Callable[[], object], repeats: int = 5) -> float:
+    """Median seconds of `work`, timed by the first rank of each host only (`alone`)
+    while the others wait, so the figure is the whole host's, to compare with the sum
+    over its ranks. Every rank reaches the barrier, even when the timing fails."""
+    times = []
+    try:
+        for _ in range(repeats if alone else 0):
             start = time.perf_counter()
-            np.copyto(target, source)
+            work()
             times.append(time.perf_counter() - start)
-    dist.barrier("bench")
-    return 2 * megabytes * 2**20 / statistics.median(times) / 1e9 if alone else 0.0
+    finally:
+        dist.barrier("bench")
+    return statistics.median(times) if alone else 0.0
 
 
 def minimal_traffic(pfc: PartialFC, global_batch: int) -> int:

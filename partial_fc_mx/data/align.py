@@ -59,19 +59,35 @@ def check_landmarks(points, image_shape: tuple | None, where: str) -> np.ndarray
         raise DataError(f"{where}: landmark(s) {np.flatnonzero(outside).tolist()} at "
                         f"{points[outside].round(1).tolist()} lie outside the {width}x{height} "
                         "picture; are they for this picture, in pixels, in x y order?")
-    spread = np.linalg.svd(points - points.mean(axis=0), compute_uv=False)
-    if spread[0] == 0 or spread[1] / spread[0] < MIN_SPREAD:
+    if lie_on_a_line(points):
         raise DataError(f"{where}: the 5 landmarks {points.round(1).tolist()} lie on a line "
                         "(or one point); they cannot place a face. Fix or drop this entry")
     return points
 
 
-def align_face(image: np.ndarray, landmarks, where: str,
-               within_picture: bool = True) -> np.ndarray:
+def lie_on_a_line(points: np.ndarray) -> np.ndarray:
+    """Whether each set of finite points (... x 5 x 2) lies on a line or a point."""
+    spread = np.linalg.svd(points - points.mean(axis=-2, keepdims=True), compute_uv=False)
+    return (spread[..., 0] == 0) | (spread[..., 1] < MIN_SPREAD * spread[..., 0])
+
+
+def unusable_landmarks(landmarks: np.ndarray) -> np.ndarray:
+    """The rows of N x 5 x 2 landmarks that check_landmarks refuses whatever the
+    picture: not finite, or on a line (all at once: IJB-C has 469,375)."""
+    finite = np.isfinite(landmarks).all(axis=(1, 2))
+    safe = np.where(finite[:, None, None], landmarks, 0.0)  # refused below either way
+    return np.flatnonzero(~finite | lie_on_a_line(safe))
+
+
+def align_face(image: np.ndarray, landmarks, where: str) -> np.ndarray:
     """The FACE_SIZE x FACE_SIZE crop of `image` (H x W x C) whose five landmarks land
-    on ARCFACE_TEMPLATE; `where` names the picture in errors. `within_picture` False
-    accepts points outside it (the warp fills what lies outside with black)."""
-    points = check_landmarks(landmarks, image.shape if within_picture else None, where)
+    on ARCFACE_TEMPLATE, after check_landmarks; `where` names the picture in errors."""
+    return warp_to_template(image, check_landmarks(landmarks, image.shape, where))
+
+
+def warp_to_template(image: np.ndarray, points: np.ndarray) -> np.ndarray:
+    """align_face for 5 x 2 points already checked; points outside the picture are
+    warped too (what lies outside is filled with black)."""
     matrix = similarity_transform(points, ARCFACE_TEMPLATE)
     return cv2.warpAffine(image, matrix, (FACE_SIZE, FACE_SIZE), flags=cv2.INTER_LINEAR,
                           borderValue=0.0)

@@ -31,8 +31,9 @@ from pathlib import Path
 import cv2
 import numpy as np
 
+from .. import durable
 from ..data import DataError
-from ..data.align import MIN_SPREAD, align_face, check_landmarks
+from ..data.align import check_landmarks, unusable_landmarks, warp_to_template
 from ..data.transforms import decode_in_workers, to_network_input
 from .verification import flip_sum
 
@@ -142,16 +143,6 @@ def read_pictures(layout: Layout) -> Pictures:
                     np.array(lines, np.int64))
 
 
-def unusable_landmarks(landmarks: np.ndarray) -> np.ndarray:
-    """The rows of N x 5 x 2 landmarks that check_landmarks refuses whatever the
-    picture: not finite, or on a line (all at once: IJB-C has 469,375)."""
-    finite = np.isfinite(landmarks).all(axis=(1, 2))
-    safe = np.where(finite[:, None, None], landmarks, 0.0)  # refused below either way
-    spread = np.linalg.svd(safe - safe.mean(axis=1, keepdims=True), compute_uv=False)
-    flat = (spread[:, 0] == 0) | (spread[:, 1] < MIN_SPREAD * spread[:, 0])
-    return np.flatnonzero(~finite | flat)
-
-
 def numbered_lines(path: Path) -> Iterator[tuple[int, str]]:
     """(line number, line) of the lines that are not blank."""
     with open(path) as lines:
@@ -210,9 +201,10 @@ def aligned_picture(pictures: Pictures, layout: Layout, index: int) -> np.ndarra
     image = cv2.imread(str(path), cv2.IMREAD_COLOR)
     if image is None:
         raise DataError(f"{where} is missing or not a decodable image")
-    # points just outside a loose crop are warped as insightface does, not refused: one
-    # such picture must not end hours of embedding (the rest was checked up front)
-    face = align_face(image, pictures.landmarks[index], where, within_picture=False)
+    # the points were checked up front (read_pictures); points just outside a loose
+    # crop are warped as insightface does, not refused: one such picture must not end
+    # hours of embedding
+    face = warp_to_template(image, pictures.landmarks[index])
     return cv2.cvtColor(face, cv2.COLOR_BGR2RGB)
 
 
@@ -368,8 +360,13 @@ def plot_rocs(curves: dict[str, Roc], out: Path, title: str) -> Path:
 
 
 def save_scores(path: Path, scores: np.ndarray, labels: np.ndarray) -> Path:
-    """Scores and labels as a plain .npz (no pickle), for `roc` to compare models."""
-    np.savez(path, scores=scores.astype(np.float32), labels=labels.astype(np.int8))
+    """Scores and labels as a plain .npz (no pickle), for `roc` to compare models;
+    written atomically, as every output file."""
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as file:  # a file: np.savez would append .npz to a name
+            np.savez(file, scores=scores.astype(np.float32), labels=labels.astype(np.int8))
+
+    durable.write_atomically(path, write)
     return path
 
 
