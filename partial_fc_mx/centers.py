@@ -53,8 +53,8 @@ class ClassCenters:
             raise ValueError("lazy_update=False needs float32 centers")
         self.shard, self.embedding_size, self.optimizer = shard, embedding_size, optimizer
         self.ctx, self.dtype, self.lazy = ctx, dtype, lazy
-        self.weight = mx.nd.array(initial_centers(seed, shard, embedding_size), ctx=ctx,
-                                  dtype=dtype)
+        self.weight = mx.nd.empty((shard.count, embedding_size), ctx=ctx, dtype=dtype)
+        fill_initial_centers(self.weight, seed, shard)
         self.states = {name: mx.nd.zeros((shard.count, width), ctx=ctx, dtype=state_dtype)
                        for name, (width, state_dtype)
                        in optimizer.states(embedding_size, dtype).items()}
@@ -165,20 +165,20 @@ CENTER_BLOCK = 4096
 """Rows per random block of the initial centers."""
 
 
-def initial_centers(seed: int, shard: Shard, embedding_size: int) -> np.ndarray:
-    """N(0, 0.01) rows for the shard's classes, each drawn from a generator keyed by
-    (seed, block of the global class index): the same matrix on any number of
+def fill_initial_centers(weight: mx.nd.NDArray, seed: int, shard: Shard) -> None:
+    """Fill the shard's rows with N(0, 0.01), each block of rows drawn from a generator
+    keyed by (seed, block of the global class index): the same matrix on any number of
     processes, and no two shards alike (seeding every rank alike would give equal
-    shards identical centers)."""
-    centers = np.empty((shard.count, embedding_size), np.float32)
+    shards identical centers). Block by block into the stored dtype, so start-up holds
+    one float32 block beside the rows: a float32 copy of a float16 shard would double
+    its peak memory."""
     for block in range(shard.start // CENTER_BLOCK, (shard.stop - 1) // CENTER_BLOCK + 1):
         values = np.random.default_rng([seed, block]).standard_normal(
-            (CENTER_BLOCK, embedding_size), np.float32)
+            (CENTER_BLOCK, weight.shape[1]), np.float32)
+        values *= 0.01
         base = block * CENTER_BLOCK
         low, high = max(base, shard.start), min(base + CENTER_BLOCK, shard.stop)
-        centers[low - shard.start:high - shard.start] = values[low - base:high - base]
-    centers *= 0.01
-    return centers
+        weight[low - shard.start:high - shard.start] = values[low - base:high - base]
 
 
 def center_dtype(fp16_centers: bool) -> str:

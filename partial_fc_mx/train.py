@@ -43,7 +43,7 @@ from .evaluation.verification import load_bin, mxnet_forward
 from .export import export_onnx
 from .interrupts import StopRequest, Watchdog
 from .optimizers import AdamW, OptimizerStateError
-from .partial_fc import PartialFC
+from .partial_fc import NoTimer, PartialFC
 from .precision import LossScaler, to_float16
 from .schedule import Plan
 from .training_log import TrainingLog
@@ -289,28 +289,36 @@ def restore(config: Config, world: dist.World, ctx: mx.Context, work_dir: Path, 
 
 
 # ----- one step -----
-def train_step(run: Run, batch: Batch, lr: float) -> float:
+def train_step(run: Run, batch: Batch, lr: float, timer=None) -> float:
+    """One step; `timer` (bench train's) times its phases, synchronizing at each."""
     net, trainer, scaler, ctx = run.net, run.trainer, run.scaler, run.ctx
-    images = mx.nd.array(batch.images, ctx=ctx)
-    with mx.autograd.record():
-        embeddings = net(images)
-    loss, grad = run.pfc.forward_backward(embeddings, batch.labels,
-                                          grad_scale=scaler.scale if scaler.dynamic else 1.0)
-    embeddings.backward(grad)
-    trainer.allreduce_grads()
-    grads = [p.grad(ctx) for p in net.collect_params().values() if p.grad_req != "null"]
-    finite = scaler.gradients_finite(grads)
-    scaler.update(finite)
-    if finite:
-        # update() applies rescale_grad = trainer._scale / batch_size to the allreduced
-        # gradients; batch_size = scale / W turns them into the sum over ranks, unscaled
-        batch_size = scaler.scale / run.world.size
-        if run.config.clip_grad:
-            effective = trainer._scale / batch_size
-            mx.gluon.utils.clip_global_norm(grads, run.config.clip_grad / effective)
-        trainer.set_learning_rate(lr)
-        trainer.update(batch_size)
-    run.pfc.step(lr * run.config.center_lr_scale)
+    timer = timer or NoTimer()
+    with timer.phase("backbone forward"):
+        images = mx.nd.array(batch.images, ctx=ctx)
+        with mx.autograd.record():
+            embeddings = net(images)
+    with timer.phase("classifier"):
+        loss, grad = run.pfc.forward_backward(embeddings, batch.labels,
+                                              grad_scale=scaler.scale if scaler.dynamic else 1.0)
+    with timer.phase("backbone backward"):
+        embeddings.backward(grad)
+    with timer.phase("backbone allreduce"):
+        trainer.allreduce_grads()
+    with timer.phase("backbone update"):
+        grads = [p.grad(ctx) for p in net.collect_params().values() if p.grad_req != "null"]
+        finite = scaler.gradients_finite(grads)
+        scaler.update(finite)
+        if finite:
+            # update() applies rescale_grad = trainer._scale / batch_size to the allreduced
+            # gradients; batch_size = scale / W turns them into the sum over ranks, unscaled
+            batch_size = scaler.scale / run.world.size
+            if run.config.clip_grad:
+                effective = trainer._scale / batch_size
+                mx.gluon.utils.clip_global_norm(grads, run.config.clip_grad / effective)
+            trainer.set_learning_rate(lr)
+            trainer.update(batch_size)
+    with timer.phase("classifier update"):
+        run.pfc.step(lr * run.config.center_lr_scale)
     return float(loss.asscalar())
 
 

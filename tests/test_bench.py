@@ -73,3 +73,62 @@ def test_the_memory_traffic_floor_counts_logits_rows_states_and_gradient(weight,
     pfc = SimpleNamespace(sampled_classes=np.arange(100), embedding_size=16,
                           centers=SimpleNamespace(arrays=lambda: arrays))
     assert minimal_traffic(pfc, global_batch=16) == expected
+
+
+def test_train_bench_reports_both_heads_and_their_ratio():
+    result = horovodrun_gloo(2, [sys.executable, "-m", "partial_fc_mx.bench", "train",
+                                 "--networks", "tiny", "--classes", "1000", "--batch-size",
+                                 "4", "--steps", "2", "--warmup", "1"], timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:]
+    rows = re.findall(r"tiny  C=\s+1,000\s+(pfc|fc)\s+([\d.]+) img/s  step\s+(\d+) ms  "
+                      r"\((.+)\)  start-up [\d.]+ s", result.stdout)
+    assert [head for head, *_ in rows] == ["pfc", "fc"], result.stdout[-3000:]
+    for _, img_s, step_ms, phases in rows:
+        assert abs(float(img_s) - 8 / (int(step_ms) / 1e3)) < 0.05 * float(img_s) + 0.2
+        assert [p.rsplit(" ", 1)[0] for p in phases.split(", ")] == [
+            "backbone forward", "classifier", "backbone backward", "backbone allreduce",
+            "backbone update", "classifier update"]
+    assert re.search(r"C=\s+1,000  Partial FC / data-parallel FC img/s: [\d.]+", result.stdout)
+
+
+def test_train_bench_skips_a_data_parallel_fc_that_cannot_fit():
+    result = horovodrun_gloo(2, [sys.executable, "-m", "partial_fc_mx.bench", "train",
+                                 "--networks", "tiny", "--classes", "300000000",
+                                 "--heads", "fc"], timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert re.search(r"C=300,000,000\s+fc  does not fit: needs [\d.]+ GiB per rank",
+                     result.stdout), result.stdout[-3000:]
+
+
+DATA_PARALLEL_MATCHES_PARTIAL_FC = """
+import horovod.mxnet as hvd, mxnet as mx, numpy as np
+from partial_fc_mx.bench.train import DataParallelFC
+from partial_fc_mx.partial_fc import PartialFC
+hvd.init()
+rng = np.random.default_rng(SEED)
+fc = DataParallelFC(50, 8, mx.cpu())
+pfc = PartialFC(50, 8, sample_rate=1.0)
+pfc.weight[:] = fc.weight.data()
+x = mx.nd.array(rng.standard_normal((6, 8)))
+labels = rng.integers(0, 50, 6)
+for head in (fc, pfc):
+    loss, grad = head.forward_backward(x, labels, grad_scale=3.0)
+    head.step(0.5)
+    print("RESULT", float(loss.asscalar()), *grad.asnumpy().ravel(),
+          *(fc.weight.data() if head is fc else pfc.weight).asnumpy().ravel())
+"""
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_data_parallel_head_trains_what_partial_fc_at_rate_1_trains(seed):
+    """The comparison is fair: same loss, embedding gradient and updated centers."""
+    result = run([sys.executable, "-c", DATA_PARALLEL_MATCHES_PARTIAL_FC.replace(
+        "SEED", str(seed))], timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:]
+    fc, pfc = (np.array(line.split()[1:], float) for line in result.stdout.splitlines()
+               if line.startswith("RESULT"))
+    assert fc[0] > 1  # a real loss, not zeros on both sides
+    for part in (slice(0, 1), slice(1, 49), slice(49, None)):  # loss, grad, centers
+        scale = np.abs(pfc[part]).max()
+        assert scale > 0
+        np.testing.assert_allclose(fc[part], pfc[part], rtol=1e-4, atol=1e-4 * scale)

@@ -1,4 +1,4 @@
-"""Benchmarks that print figures: `python -m partial_fc_mx.bench {pfc,ops,data,save,ijb}`.
+"""Benchmarks that print figures: `python -m partial_fc_mx.bench {pfc,train,ops,data,save,ijb}`.
 
 One module per benchmark, each with `add_command(commands)` for the command line.
 Launch `pfc` under horovodrun or mpirun like training. Every comparison is measured

@@ -113,9 +113,12 @@ def bench_config(world: dist.World, ctx: mx.Context, num_classes: int, args) -> 
     rss_before = psutil.Process().memory_info().rss
     timer = PhaseTimer()
     with PeakRSS() as rss:
+        start = time.perf_counter()
         pfc = PartialFC(num_classes, args.embedding_size, rank=world.rank,
                         world_size=world.size, ctx=ctx, sample_rate=sample_rate,
                         margin=(1.0, 0.5, 0.0), scale=64.0, fp16_centers=args.fp16_centers)
+        mx.nd.waitall()
+        startup_seconds = time.perf_counter() - start
         rng = np.random.default_rng(world.rank)
         x = mx.nd.array(rng.standard_normal((args.batch_size, args.embedding_size)), ctx=ctx)
         labels = rng.integers(0, num_classes, args.batch_size)
@@ -134,7 +137,14 @@ def bench_config(world: dist.World, ctx: mx.Context, num_classes: int, args) -> 
         "gemm_gflops": 3 * 2 * global_batch * n * args.embedding_size / seconds["gemm"] / 1e9,
         "rss_mib": (rss.peak - rss_before) / MiB, "theory_mib": theory.total / MiB,
         "baseline_mib": rss_before / MiB, "traffic_bytes": minimal_traffic(pfc, global_batch),
+        "startup_s": startup_seconds, "shard_gib": shard_bytes(pfc) / 2**30,
     }
+
+
+def shard_bytes(pfc: PartialFC) -> int:
+    """The rows and optimizer states this rank keeps for the whole run."""
+    return sum(array.size * np.dtype(array.dtype).itemsize
+               for array in pfc.centers.arrays().values())
 
 
 def run_steps(pfc: PartialFC, x: mx.nd.NDArray, labels: np.ndarray, count: int) -> list:
@@ -173,6 +183,8 @@ def print_report(args, world: dist.World, everyone: list) -> None:
             print(f"        RSS +{r['rss_mib']:,.0f} MiB = {r['rss_mib'] / r['theory_mib']:.2f}x "
                   f"theory {r['theory_mib']:,.0f} MiB (above the {r['baseline_mib']:,.0f} MiB "
                   "of a process with MXNet and Horovod loaded)")
+            print(f"        start-up {r['startup_s']:.1f} s for a {r['shard_gib']:.2f} GiB shard "
+                  f"(rows and states) = {r['startup_s'] / r['shard_gib']:.1f} s/GiB")
         if len(results) > 1:
             print(f"rank {rank}  step time C={results[-1]['classes']:,} / "
                   f"C={results[0]['classes']:,} at the same sample size: "

@@ -1,0 +1,168 @@
+"""The whole training step on random images: img/s and where the time goes, with
+Partial FC and with a plain data-parallel FC of the same class count in its place.
+
+    horovodrun -np 2 -H localhost:2 --gloo python -m partial_fc_mx.bench train \\
+        --networks r18 r50 --classes 100000 1000000 4000000 --batch-size 64
+
+The step is the trainer's own (train.train_step on a run set up by train.start with
+rec="random"); the phase split comes from separate steps synchronized at every phase.
+A data-parallel FC keeps all C centers on every rank, scores its rank's batch against
+all of them and allreduces their gradient like a backbone weight: what Partial FC
+replaces. It runs only where its estimated memory fits the host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import horovod.mxnet as hvd
+import mxnet as mx
+import psutil
+
+from .. import dist, train
+from ..config import Config
+from ..margins.combined import CombinedMargin
+from .timing import PhaseTimer
+
+GiB = 2**30
+
+
+def add_command(commands) -> None:
+    bench = commands.add_parser("train", help="the whole training step: Partial FC against "
+                                              "a data-parallel FC")
+    bench.set_defaults(func=run)
+    bench.add_argument("--networks", nargs="+", default=["r18", "r50"])
+    bench.add_argument("--classes", type=int, nargs="+", default=[100_000, 1_000_000, 4_000_000])
+    bench.add_argument("--batch-size", type=int, default=64, help="per rank")
+    bench.add_argument("--sample-rate", type=float, default=0.1)
+    bench.add_argument("--heads", nargs="+", choices=["pfc", "fc"], default=["pfc", "fc"],
+                       help="pfc: Partial FC; fc: data-parallel FC (where it fits)")
+    bench.add_argument("--steps", type=int, default=3)
+    bench.add_argument("--warmup", type=int, default=1)
+    bench.add_argument("--output", default=str(Path(tempfile.gettempdir()) /
+                                               "partial_fc_mx-bench-train"),
+                       help="work directory of the runs (shared by all hosts)")
+
+
+class DataParallelFC:
+    """All C centers on every rank; the rank's own batch scored against all of them with
+    the ArcFace margin; the centers' gradient allreduced (averaged) and applied by SGD
+    with momentum. The interface of PartialFC that train_step uses."""
+
+    def __init__(self, num_classes: int, embedding_size: int, ctx: mx.Context) -> None:
+        self.weight = mx.gluon.Parameter("fc_weight", shape=(num_classes, embedding_size),
+                                         init=mx.init.Normal(0.01))
+        self.weight.initialize(ctx=ctx)
+        self.trainer = hvd.DistributedTrainer({"fc_weight": self.weight}, "sgd",
+                                              {"momentum": 0.9, "wd": 5e-4}, prefix="fc.")
+        self.margin = CombinedMargin(1.0, 0.5, 0.0, scale=64.0)
+        self.ctx = ctx
+
+    def forward_backward(self, embeddings: mx.nd.NDArray, labels, grad_scale: float = 1.0):
+        x = embeddings.detach()
+        x.attach_grad()
+        labels = mx.nd.array(labels, ctx=self.ctx)
+        with mx.autograd.record():
+            cos = mx.nd.FullyConnected(mx.nd.L2Normalization(x),
+                                       mx.nd.L2Normalization(self.weight.data()),
+                                       num_hidden=self.weight.shape[0], no_bias=True)
+            target_cos = mx.nd.pick(cos, labels, axis=1)
+            target_logit, _ = self.margin(target_cos)
+            logits = self.margin.scale * cos + mx.nd.one_hot(labels, cos.shape[1]) * (
+                target_logit - self.margin.scale * target_cos).reshape((-1, 1))
+            # not softmax_cross_entropy: it clips probabilities at 1e-8 (losses at 18.4)
+            loss = -mx.nd.pick(mx.nd.log_softmax(logits), labels, axis=1).mean()
+        loss.backward()
+        return loss, x.grad * grad_scale
+
+    def step(self, lr: float) -> None:
+        self.trainer.set_learning_rate(lr)
+        self.trainer.step(1)
+
+
+def data_parallel_bytes(num_classes: int, embedding_size: int, batch: int) -> int:
+    """Per rank: the centers, their gradient and momentum, and three batch x C logit
+    matrices (logits, softmax, their gradient)."""
+    return 4 * num_classes * (3 * embedding_size + 3 * batch)
+
+
+def run(args: argparse.Namespace) -> None:
+    world = dist.init()
+    results = []
+    for network in args.networks:
+        for num_classes in args.classes:
+            for head in args.heads:
+                results.append(bench_config(world, network, num_classes, head, args))
+    if world.is_main:
+        print_report(args, world, results)
+
+
+def bench_config(world: dist.World, network: str, num_classes: int, head: str,
+                 args) -> dict:
+    """img/s (median over untimed steps) and the phase split of one configuration."""
+    result = {"network": network, "classes": num_classes, "head": head}
+    if head == "fc":
+        need = data_parallel_bytes(num_classes, 512, args.batch_size)
+        room = psutil.virtual_memory().available / world.local_size
+        if dist.any_rank(need > 0.8 * room, name="bench.fits"):
+            return {**result, "skipped": f"needs {need / GiB:.1f} GiB per rank, "
+                                         f"{room / GiB:.1f} GiB available per rank"}
+    config = Config(rec="random", num_classes=num_classes, num_image=10**6, network=network,
+                    batch_size=args.batch_size, sample_rate=args.sample_rate,
+                    output=str(Path(args.output) / f"{network}-{num_classes}-{head}"),
+                    frequent=10**6)
+    config.validate()
+    start = time.perf_counter()
+    job = train.start(config, None, None)
+    if head == "fc":
+        job.pfc = None  # free the shard first
+        job.pfc = DataParallelFC(num_classes, config.embedding_size, job.ctx)
+    mx.nd.waitall()
+    startup = time.perf_counter() - start
+    batches = job.loader.epoch(0)
+    seconds = [timed(lambda: train.train_step(job, next(batches), 0.01))
+               for _ in range(args.warmup + args.steps)][args.warmup:]
+    timer = PhaseTimer()
+    for _ in range(args.steps):
+        train.train_step(job, next(batches), 0.01, timer)
+    phases = {name: 1e3 * total / args.steps for name, total in timer.seconds.items()}
+    job.log.close()
+    global_batch = args.batch_size * world.size
+    return {**result, "img_s": global_batch / statistics.median(seconds),
+            "step_ms": 1e3 * statistics.median(seconds), "phases_ms": phases,
+            "startup_s": startup}
+
+
+def timed(step) -> float:
+    """Wall seconds of one step, every rank starting together."""
+    dist.barrier("bench")
+    start = time.perf_counter()
+    step()
+    mx.nd.waitall()
+    return time.perf_counter() - start
+
+
+def print_report(args, world: dist.World, results: list) -> None:
+    print(f"Whole training step: {world.size} ranks, batch {args.batch_size}/rank, random "
+          f"112x112 images, device {dist.device(0)}, MXNet {mx.__version__}; Partial FC "
+          f"sample_rate {args.sample_rate}; fc = data-parallel FC over all classes")
+    print("img/s = global batch / median step; phases (rank 0, ms) from separate steps "
+          "synchronized at every phase")
+    for r in results:
+        name = f"{r['network']:>5}  C={r['classes']:>9,}  {r['head']:>3}"
+        if "skipped" in r:
+            print(f"{name}  does not fit: {r['skipped']}")
+            continue
+        phases = ", ".join(f"{k} {v:.0f}" for k, v in r["phases_ms"].items())
+        print(f"{name}  {r['img_s']:7.1f} img/s  step {r['step_ms']:7.0f} ms  ({phases})  "
+              f"start-up {r['startup_s']:.1f} s")
+    by_config = {(r["network"], r["classes"], r["head"]): r for r in results}
+    for (network, classes, head), r in by_config.items():
+        other = by_config.get((network, classes, "fc"))
+        if head == "pfc" and other and "img_s" in other and "img_s" in r:
+            print(f"{network:>5}  C={classes:>9,}  Partial FC / data-parallel FC img/s: "
+                  f"{r['img_s'] / other['img_s']:.2f}")
