@@ -10,6 +10,7 @@ same way (checkpoint.load_centers).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -184,6 +185,36 @@ def fill_initial_centers(weight: mx.nd.NDArray, seed: int, shard: Shard) -> None
 def center_dtype(fp16_centers: bool) -> str:
     """How the rows are stored: float16 fits twice the classes in the same memory."""
     return "float16" if fp16_centers else "float32"
+
+
+INT32_ELEMENTS = 2**31 - 1
+"""The most elements one MXNet array may hold in a build without USE_INT64_TENSOR_SIZE,
+as every released MXNet 1.9 wheel is."""
+
+
+def tensor_size_problem(num_classes: int, world_size: int, embedding_size: int,
+                        sample_rate: float = 1.0, global_batch: int = 0) -> str | None:
+    """Why a rank's shard or its N x n logits would not fit in one MXNet array of this
+    build, or None. Checked before anything is allocated, on every rank alike: MXNet
+    itself fails only when the allocation is tried, and names no setting to change."""
+    if mx.runtime.Features().is_enabled("INT64_TENSOR_SIZE"):
+        return None
+    rows = shard_of(num_classes, 0, world_size).count  # rank 0's shard is the largest
+    if rows * embedding_size > INT32_ELEMENTS:
+        fewest = math.ceil(num_classes / (INT32_ELEMENTS // embedding_size))
+        return (f"{num_classes} classes over {world_size} processes give one process "
+                f"{rows} x {embedding_size} class centers = {rows * embedding_size:,} "
+                f"elements, more than the {INT32_ELEMENTS:,} one array of this MXNet build "
+                f"can hold (it was built without USE_INT64_TENSOR_SIZE, as the released "
+                f"wheels are); use at least {fewest} processes")
+    sampled = min(rows, max(num_sample(rows, sample_rate), global_batch))
+    if global_batch * sampled > INT32_ELEMENTS:
+        return (f"the logits of a global batch of {global_batch} against the {sampled} "
+                f"centers one process samples have {global_batch * sampled:,} elements, "
+                f"more than the {INT32_ELEMENTS:,} one array of this MXNet build can hold "
+                f"(built without USE_INT64_TENSOR_SIZE); lower sample_rate or batch_size, "
+                f"or use more processes")
+    return None
 
 
 def num_sample(shard_size: int, sample_rate: float) -> int:

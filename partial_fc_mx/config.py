@@ -178,7 +178,7 @@ class Config:
 
     def check_world_size(self, world_size: int) -> None:
         """What only the number of processes decides; the same answer on every rank."""
-        from .centers import num_sample
+        from .centers import num_sample, tensor_size_problem
 
         smallest_shard = self.num_classes // world_size
         if smallest_shard == 0:
@@ -190,6 +190,9 @@ class Config:
                 f"sample_rate={self.sample_rate} samples 0 of the {smallest_shard} class "
                 f"centers a process holds ({self.num_classes} classes / {world_size} "
                 f"processes): no negatives would be scored. Use sample_rate >= {need:.3g}")
+        if problem := tensor_size_problem(self.num_classes, world_size, self.embedding_size,
+                                          self.sample_rate, self.batch_size * world_size):
+            raise ConfigError(problem)
 
     def augmentation(self) -> Augmentation:
         from .data.augment import Augmentation  # OpenCV: not for the stdlib-only commands

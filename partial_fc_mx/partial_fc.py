@@ -26,7 +26,7 @@ import numpy as np
 
 from .center_optimizers import CenterOptimizer
 from .center_optimizers.sgd import SGD
-from .centers import ClassCenters, center_dtype, num_sample, shard_of
+from .centers import ClassCenters, center_dtype, num_sample, shard_of, tensor_size_problem
 from .errors import UserError
 from .margins import Margin
 from .margins.combined import CombinedMargin
@@ -78,6 +78,8 @@ class PartialFC:
             raise ValueError(f"sample_rate={sample_rate} must be in (0, 1]")
         if num_classes < world_size:
             raise ValueError(f"{num_classes} classes cannot be sharded over {world_size} ranks")
+        if problem := tensor_size_problem(num_classes, world_size, embedding_size):
+            raise ValueError(problem)
         self.num_classes, self.embedding_size = num_classes, embedding_size
         self.rank, self.world_size = rank, world_size
         self.ctx = ctx or mx.cpu()

@@ -54,6 +54,14 @@ def test_a_sample_rate_that_samples_no_center_is_refused(tmp_path, synthetic):
                                    "process holds (120 classes / 2 processes)", code=1)
 
 
+def test_a_shard_one_mxnet_array_cannot_hold_is_refused_before_allocation(tmp_path, synthetic):
+    config = config_file(tmp_path, synthetic, num_classes=9_000_000, embedding_size=512)
+    result = mpirun(2, train_args(config, tmp_path / "work"), timeout=120)
+    assert_every_rank_says(result, "9000000 classes over 2 processes give one process "
+                                   "4500000 x 512 class centers", code=1)
+    assert "use at least 3 processes" in errors(result.stdout)[0]
+
+
 def damage_header(directory: Path, record_id: int) -> None:
     """Cut record `record_id` to 10 bytes: shorter than its IRHeader."""
     records = RecordDataset(directory).records

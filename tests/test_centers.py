@@ -8,7 +8,8 @@ import pytest
 
 from partial_fc_mx.center_optimizers.adamw import AdamW
 from partial_fc_mx.center_optimizers.sgd import SGD
-from partial_fc_mx.centers import ClassCenters, estimate_memory, shard_of
+from partial_fc_mx.centers import ClassCenters, estimate_memory, shard_of, tensor_size_problem
+from partial_fc_mx.partial_fc import PartialFC
 from partial_fc_mx.precision import all_finite
 
 
@@ -106,3 +107,31 @@ def test_all_finite_checks_each_dtype():
     assert all_finite([full, mx.nd.ones(2).astype("float16")])
     assert not all_finite([full, half])
     assert not all_finite([mx.nd.array([np.inf]), half.astype("float32")])
+
+
+@pytest.mark.parametrize("classes, world, problem", [
+    (4_194_303, 1, None),  # 4,194,303 x 512 = 2^31 - 512 elements: one array holds it
+    (4_194_304, 1, "4194304 x 512 class centers = 2,147,483,648 elements, more than the "
+                   "2,147,483,647"),
+    (9_000_000, 2, "use at least 3 processes"),
+    (9_000_000, 3, None),
+])
+def test_a_shard_larger_than_one_mxnet_array_is_named_before_allocation(classes, world,
+                                                                       problem):
+    found = tensor_size_problem(classes, world, 512)
+    assert found == problem if problem is None else problem in found
+    if problem:
+        with pytest.raises(ValueError, match="USE_INT64_TENSOR_SIZE"):
+            PartialFC(classes, 512, world_size=world)
+
+
+def test_logits_larger_than_one_mxnet_array_are_named():
+    # 8 processes, 1M centers each, all scored against a global batch of 4096
+    found = tensor_size_problem(8_000_000, 8, 512, sample_rate=1.0, global_batch=4096)
+    assert "global batch of 4096 against the 1000000 centers one process samples" in found
+    assert tensor_size_problem(8_000_000, 8, 512, sample_rate=0.1, global_batch=4096) is None
+
+
+def test_an_int64_build_has_no_size_limit(monkeypatch):
+    monkeypatch.setattr(mx.runtime.Features, "is_enabled", lambda self, name: True)
+    assert tensor_size_problem(9_000_000, 1, 512) is None
