@@ -19,7 +19,7 @@ import numpy as np
 
 from .center_optimizers import CenterOptimizer
 from .center_optimizers.sgd import SGD
-from .workspace import Workspace
+from .workspace import INT32_ELEMENTS, Workspace
 
 
 @dataclass(frozen=True)
@@ -187,16 +187,12 @@ def center_dtype(fp16_centers: bool) -> str:
     return "float16" if fp16_centers else "float32"
 
 
-INT32_ELEMENTS = 2**31 - 1
-"""The most elements one MXNet array may hold in a build without USE_INT64_TENSOR_SIZE,
-as every released MXNet 1.9 wheel is."""
-
-
 def tensor_size_problem(num_classes: int, world_size: int, embedding_size: int,
                         sample_rate: float = 1.0, global_batch: int = 0) -> str | None:
     """Why a rank's shard or its N x n logits would not fit in one MXNet array of this
-    build, or None. Checked before anything is allocated, on every rank alike: MXNet
-    itself fails only when the allocation is tried, and names no setting to change."""
+    build, or None (the logits only when `global_batch` is given). Checked before
+    anything is allocated, on every rank alike: MXNet itself fails only when the
+    allocation is tried, and names no setting to change."""
     if mx.runtime.Features().is_enabled("INT64_TENSOR_SIZE"):
         return None
     rows = shard_of(num_classes, 0, world_size).count  # rank 0's shard is the largest
@@ -212,8 +208,9 @@ def tensor_size_problem(num_classes: int, world_size: int, embedding_size: int,
         return (f"the logits of a global batch of {global_batch} against the {sampled} "
                 f"centers one process samples have {global_batch * sampled:,} elements, "
                 f"more than the {INT32_ELEMENTS:,} one array of this MXNet build can hold "
-                f"(built without USE_INT64_TENSOR_SIZE); lower sample_rate or batch_size, "
-                f"or use more processes")
+                f"(built without USE_INT64_TENSOR_SIZE); more processes do not help (their "
+                f"product is about batch_size x sample_rate x num_classes): lower "
+                f"sample_rate or batch_size")
     return None
 
 

@@ -78,6 +78,7 @@ class PartialFC:
             raise ValueError(f"sample_rate={sample_rate} must be in (0, 1]")
         if num_classes < world_size:
             raise ValueError(f"{num_classes} classes cannot be sharded over {world_size} ranks")
+        # the shard only: the logits' size depends on the batch (Config checks both)
         if problem := tensor_size_problem(num_classes, world_size, embedding_size):
             raise ValueError(problem)
         self.num_classes, self.embedding_size = num_classes, embedding_size

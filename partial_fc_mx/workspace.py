@@ -17,7 +17,11 @@ import mxnet as mx
 import numpy as np
 
 GROWTH = 1.25
-"""A buffer that must grow takes at least this factor more."""
+"""A buffer that must grow takes at least this factor more, up to INT32_ELEMENTS."""
+
+INT32_ELEMENTS = 2**31 - 1
+"""The most elements one MXNet array may hold in a build without USE_INT64_TENSOR_SIZE,
+as every released MXNet 1.9 wheel is."""
 
 
 class Workspace:
@@ -34,7 +38,8 @@ class Workspace:
         buffer = self._buffers.get(name)
         if buffer is None or buffer.size < size or buffer.dtype != np.dtype(dtype):
             if buffer is not None and buffer.dtype == np.dtype(dtype):
-                size = max(size, int(GROWTH * buffer.size))  # no regrowth at each new record
+                # no regrowth at each new record, and no margin past what MXNet can hold
+                size = max(size, min(int(GROWTH * buffer.size), INT32_ELEMENTS))
             buffer = mx.nd.empty((size,), ctx=self.ctx, dtype=dtype)
             self._buffers[name] = buffer
         return buffer[:math.prod(shape)].reshape(shape)

@@ -93,11 +93,14 @@ def test_train_bench_reports_both_heads_and_their_ratio():
 
 def test_train_bench_skips_a_data_parallel_fc_that_cannot_fit():
     result = horovodrun_gloo(2, [sys.executable, "-m", "partial_fc_mx.bench", "train",
-                                 "--networks", "tiny", "--classes", "300000000",
+                                 "--networks", "tiny", "--classes", "4000000", "300000000",
                                  "--heads", "fc"], timeout=120)
     assert result.returncode == 0, result.stdout[-3000:]
-    assert re.search(r"C=300,000,000\s+fc  does not fit: needs [\d.]+ GiB per rank",
-                     result.stdout), result.stdout[-3000:]
+    # 4M x 512: one array holds it, 24 GiB of RAM do not (centers, gradient, momentum...)
+    assert re.search(r"C=4,000,000\s+fc  cannot run: needs [\d.]+ GiB per rank, [\d.]+ GiB "
+                     r"available per rank", result.stdout), result.stdout[-3000:]
+    assert re.search(r"C=300,000,000\s+fc  cannot run: 300000000 classes over 1 processes "
+                     r"give one process 300000000 x 512 class centers", result.stdout)
 
 
 DATA_PARALLEL_MATCHES_PARTIAL_FC = """
@@ -105,30 +108,46 @@ import horovod.mxnet as hvd, mxnet as mx, numpy as np
 from partial_fc_mx.bench.train import DataParallelFC
 from partial_fc_mx.partial_fc import PartialFC
 hvd.init()
-rng = np.random.default_rng(SEED)
+rank, world = hvd.rank(), hvd.size()
+rng = np.random.default_rng(SEED)  # the same draws on every rank
+weight = rng.standard_normal((50, 8)) * 0.1
+x = mx.nd.array(rng.standard_normal((6 * world, 8))[6 * rank:6 * rank + 6])
+labels = rng.integers(0, 50, 6 * world)[6 * rank:6 * rank + 6]
 fc = DataParallelFC(50, 8, mx.cpu())
-pfc = PartialFC(50, 8, sample_rate=1.0)
-pfc.weight[:] = fc.weight.data()
-x = mx.nd.array(rng.standard_normal((6, 8)))
-labels = rng.integers(0, 50, 6)
+fc.weight.set_data(mx.nd.array(weight))
+pfc = PartialFC(50, 8, rank=rank, world_size=world, sample_rate=1.0)
+rows = slice(pfc.shard.start, pfc.shard.stop)
+pfc.weight[:] = weight[rows]
 for head in (fc, pfc):
     loss, grad = head.forward_backward(x, labels, grad_scale=3.0)
     head.step(0.5)
+    if head is fc:  # the mean over this rank's batch: average them
+        loss = hvd.allreduce(loss, op=hvd.Average, name="loss")
+    centers = fc.weight.data()[rows] if head is fc else pfc.weight
     print("RESULT", float(loss.asscalar()), *grad.asnumpy().ravel(),
-          *(fc.weight.data() if head is fc else pfc.weight).asnumpy().ravel())
+          *centers.asnumpy().ravel(), flush=True)
 """
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_the_data_parallel_head_trains_what_partial_fc_at_rate_1_trains(seed):
-    """The comparison is fair: same loss, embedding gradient and updated centers."""
-    result = run([sys.executable, "-c", DATA_PARALLEL_MATCHES_PARTIAL_FC.replace(
-        "SEED", str(seed))], timeout=120)
+@pytest.mark.parametrize("world, seed", [(1, 0), (1, 1), (2, 2), (2, 3)])
+def test_the_data_parallel_head_trains_what_partial_fc_at_rate_1_trains(world, seed):
+    """The comparison is fair: on every rank the same loss over the global batch, the
+    same gradient for the rank's embeddings and the same updated centers."""
+    command = [sys.executable, "-c", DATA_PARALLEL_MATCHES_PARTIAL_FC.replace("SEED", str(seed))]
+    result = run(command, timeout=120) if world == 1 else horovodrun_gloo(world, command,
+                                                                          timeout=180)
     assert result.returncode == 0, result.stdout[-3000:]
-    fc, pfc = (np.array(line.split()[1:], float) for line in result.stdout.splitlines()
-               if line.startswith("RESULT"))
-    assert fc[0] > 1  # a real loss, not zeros on both sides
-    for part in (slice(0, 1), slice(1, 49), slice(49, None)):  # loss, grad, centers
-        scale = np.abs(pfc[part]).max()
-        assert scale > 0
-        np.testing.assert_allclose(fc[part], pfc[part], rtol=1e-4, atol=1e-4 * scale)
+    by_rank = {}
+    for line in result.stdout.splitlines():
+        if "RESULT" in line:  # horovodrun prefixes "[rank]<stdout>:"
+            rank = int(line[1:line.index("]")]) if line.startswith("[") else 0
+            by_rank.setdefault(rank, []).append(np.array(line.split("RESULT", 1)[1].split(),
+                                                         float))
+    assert sorted(by_rank) == list(range(world))
+    assert all(len(results) == 2 for results in by_rank.values())
+    for fc, pfc in by_rank.values():
+        assert fc[0] > 1  # a real loss, not zeros on both sides
+        for part in (slice(0, 1), slice(1, 49), slice(49, None)):  # loss, grad, centers
+            scale = np.abs(pfc[part]).max()
+            assert scale > 0
+            np.testing.assert_allclose(fc[part], pfc[part], rtol=1e-4, atol=1e-4 * scale)

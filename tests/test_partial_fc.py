@@ -92,3 +92,7 @@ def test_initial_centers_depend_on_the_class_not_on_the_world_size():
     assert abs(full.std() - 0.01) < 2e-4 and abs(full.mean()) < 2e-4
     other = PartialFC(10000, 8, rank=0, world_size=1, seed=6).weight.asnumpy()
     assert not np.allclose(other, full)
+    # float16 shards are written block by block into the stored dtype: every row, rounded
+    halves = [PartialFC(10000, 8, rank=r, world_size=3, seed=5, fp16_centers=True)
+              .weight.asnumpy() for r in range(3)]
+    assert np.concatenate(halves).tobytes() == full.astype(np.float16).tobytes()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import mxnet as mx
 import numpy as np
 
+from partial_fc_mx import workspace
 from partial_fc_mx.workspace import GROWTH, Workspace
 
 
@@ -37,3 +38,12 @@ def test_a_buffer_grows_for_a_larger_shape_or_another_dtype():
     assert half.dtype == np.float16 and buffers.nbytes() == 5 * 3 * 2
     other = buffers.get("grad", (5, 3))
     assert buffers.nbytes() == 5 * 3 * 2 + 5 * 3 * 4 and other.dtype == np.float32
+
+
+def test_growth_stops_at_what_one_mxnet_array_can_hold(monkeypatch):
+    monkeypatch.setattr(workspace, "INT32_ELEMENTS", 100)
+    buffers = workspace.Workspace(mx.cpu())
+    buffers.get("logits", (9, 10))
+    assert buffers.nbytes() == 90 * 4
+    buffers.get("logits", (19, 5))  # 95 elements: 1.25x would ask for 112
+    assert buffers.nbytes() == 100 * 4

@@ -24,6 +24,7 @@ import mxnet as mx
 import psutil
 
 from .. import dist, train
+from ..centers import tensor_size_problem
 from ..config import Config
 from ..margins.combined import CombinedMargin
 from .timing import PhaseTimer
@@ -38,6 +39,7 @@ def add_command(commands) -> None:
     bench.add_argument("--networks", nargs="+", default=["r18", "r50"])
     bench.add_argument("--classes", type=int, nargs="+", default=[100_000, 1_000_000, 4_000_000])
     bench.add_argument("--batch-size", type=int, default=64, help="per rank")
+    bench.add_argument("--embedding-size", type=int, default=512)
     bench.add_argument("--sample-rate", type=float, default=0.1)
     bench.add_argument("--heads", nargs="+", choices=["pfc", "fc"], default=["pfc", "fc"],
                        help="pfc: Partial FC; fc: data-parallel FC (where it fits)")
@@ -57,6 +59,7 @@ class DataParallelFC:
         self.weight = mx.gluon.Parameter("fc_weight", shape=(num_classes, embedding_size),
                                          init=mx.init.Normal(0.01))
         self.weight.initialize(ctx=ctx)
+        dist.broadcast_parameters({"fc_weight": self.weight})  # every rank starts alike
         self.trainer = hvd.DistributedTrainer({"fc_weight": self.weight}, "sgd",
                                               {"momentum": 0.9, "wd": 5e-4}, prefix="fc.")
         self.margin = CombinedMargin(1.0, 0.5, 0.0, scale=64.0)
@@ -77,7 +80,8 @@ class DataParallelFC:
             # not softmax_cross_entropy: it clips probabilities at 1e-8 (losses at 18.4)
             loss = -mx.nd.pick(mx.nd.log_softmax(logits), labels, axis=1).mean()
         loss.backward()
-        return loss, x.grad * grad_scale
+        # the mean over this rank's batch; train_step wants the global batch's mean
+        return loss, x.grad * (grad_scale / hvd.size())
 
     def step(self, lr: float) -> None:
         self.trainer.set_learning_rate(lr)
@@ -85,9 +89,27 @@ class DataParallelFC:
 
 
 def data_parallel_bytes(num_classes: int, embedding_size: int, batch: int) -> int:
-    """Per rank: the centers, their gradient and momentum, and three batch x C logit
-    matrices (logits, softmax, their gradient)."""
-    return 4 * num_classes * (3 * embedding_size + 3 * batch)
+    """Per rank: the centers, their gradient and momentum, and the normalized centers
+    with their gradient (autograd keeps both); about eight batch x C matrices (cosines,
+    one-hot, logits, log-softmax and their gradients)."""
+    return 4 * num_classes * (5 * embedding_size + 8 * batch)
+
+
+def data_parallel_problem(num_classes: int, embedding_size: int, batch: int,
+                          world: dist.World, ctx: mx.Context) -> str | None:
+    """Why a data-parallel FC cannot run here (the same answer on every rank), or None."""
+    problem = tensor_size_problem(num_classes, 1, embedding_size)
+    need = data_parallel_bytes(num_classes, embedding_size, batch)
+    if ctx.device_type == "gpu":
+        room = mx.context.gpu_memory_info(ctx.device_id)[0]
+    else:
+        room = psutil.virtual_memory().available / world.local_size
+    if problem is None and need > 0.8 * room:
+        problem = (f"needs {need / GiB:.1f} GiB per rank, {room / GiB:.1f} GiB available "
+                   "per rank")
+    if dist.any_rank(problem is not None, name="bench.fits"):
+        return problem or "does not fit on another rank"
+    return None
 
 
 def run(args: argparse.Namespace) -> None:
@@ -105,14 +127,13 @@ def bench_config(world: dist.World, network: str, num_classes: int, head: str,
                  args) -> dict:
     """img/s (median over untimed steps) and the phase split of one configuration."""
     result = {"network": network, "classes": num_classes, "head": head}
-    if head == "fc":
-        need = data_parallel_bytes(num_classes, 512, args.batch_size)
-        room = psutil.virtual_memory().available / world.local_size
-        if dist.any_rank(need > 0.8 * room, name="bench.fits"):
-            return {**result, "skipped": f"needs {need / GiB:.1f} GiB per rank, "
-                                         f"{room / GiB:.1f} GiB available per rank"}
+    ctx = dist.device(world.local_rank)
+    if head == "fc" and (problem := data_parallel_problem(num_classes, args.embedding_size,
+                                                          args.batch_size, world, ctx)):
+        return {**result, "skipped": problem}
     config = Config(rec="random", num_classes=num_classes, num_image=10**6, network=network,
-                    batch_size=args.batch_size, sample_rate=args.sample_rate,
+                    embedding_size=args.embedding_size, batch_size=args.batch_size,
+                    sample_rate=args.sample_rate,
                     output=str(Path(args.output) / f"{network}-{num_classes}-{head}"),
                     frequent=10**6)
     config.validate()
@@ -120,7 +141,9 @@ def bench_config(world: dist.World, network: str, num_classes: int, head: str,
     job = train.start(config, None, None)
     if head == "fc":
         job.pfc = None  # free the shard first
-        job.pfc = DataParallelFC(num_classes, config.embedding_size, job.ctx)
+        job.pfc = dist.run_agreed(
+            lambda: DataParallelFC(num_classes, config.embedding_size, job.ctx), "bench.fc",
+            (), RuntimeError, "cannot build the data-parallel FC")
     mx.nd.waitall()
     startup = time.perf_counter() - start
     batches = job.loader.epoch(0)
@@ -151,11 +174,13 @@ def print_report(args, world: dist.World, results: list) -> None:
           f"112x112 images, device {dist.device(0)}, MXNet {mx.__version__}; Partial FC "
           f"sample_rate {args.sample_rate}; fc = data-parallel FC over all classes")
     print("img/s = global batch / median step; phases (rank 0, ms) from separate steps "
-          "synchronized at every phase")
+          "synchronized at every phase; Partial FC's collectives are in 'classifier', the "
+          "data-parallel FC's gradient allreduce in 'classifier update'; start-up = "
+          "train.start (backbone, loader, the classifier) and the fc head")
     for r in results:
         name = f"{r['network']:>5}  C={r['classes']:>9,}  {r['head']:>3}"
         if "skipped" in r:
-            print(f"{name}  does not fit: {r['skipped']}")
+            print(f"{name}  cannot run: {r['skipped']}")
             continue
         phases = ", ".join(f"{k} {v:.0f}" for k, v in r["phases_ms"].items())
         print(f"{name}  {r['img_s']:7.1f} img/s  step {r['step_ms']:7.0f} ms  ({phases})  "
