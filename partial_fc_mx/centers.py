@@ -200,23 +200,30 @@ def tensor_size_problem(num_classes: int, world_size: int, embedding_size: int,
         fewest = math.ceil(num_classes / (INT32_ELEMENTS // embedding_size))
         return (f"{num_classes} classes over {world_size} processes give one process "
                 f"{rows} x {embedding_size} class centers = {rows * embedding_size:,} "
-                f"elements, more than the {INT32_ELEMENTS:,} one array of this MXNet build "
-                f"can hold (it was built without USE_INT64_TENSOR_SIZE, as the released "
-                f"wheels are); use at least {fewest} processes")
-    sampled = min(rows, max(num_sample(rows, sample_rate), global_batch))
+                f"elements, {TOO_MANY_ELEMENTS}; use at least {fewest} processes")
+    sampled = sampled_per_step(rows, sample_rate, global_batch)
     if global_batch * sampled > INT32_ELEMENTS:
         return (f"the logits of a global batch of {global_batch} against the {sampled} "
                 f"centers one process samples have {global_batch * sampled:,} elements, "
-                f"more than the {INT32_ELEMENTS:,} one array of this MXNet build can hold "
-                f"(built without USE_INT64_TENSOR_SIZE); more processes do not help (their "
-                f"product is about batch_size x sample_rate x num_classes): lower "
-                f"sample_rate or batch_size")
+                f"{TOO_MANY_ELEMENTS}; more processes do not help (their product is about "
+                f"batch_size x sample_rate x num_classes): lower sample_rate or batch_size")
     return None
+
+
+TOO_MANY_ELEMENTS = (f"more than the {INT32_ELEMENTS:,} one array of this MXNet build can "
+                     "hold (it was built without USE_INT64_TENSOR_SIZE, as the released "
+                     "wheels are)")
 
 
 def num_sample(shard_size: int, sample_rate: float) -> int:
     """Centers a rank scores per step when the batch's positives fit in the sample."""
     return int(sample_rate * shard_size)
+
+
+def sampled_per_step(shard_size: int, sample_rate: float, global_batch: int) -> int:
+    """The most centers a rank scores in one step: the sample, or every positive of the
+    global batch when they are more."""
+    return min(shard_size, max(num_sample(shard_size, sample_rate), global_batch))
 
 
 @dataclass(frozen=True)
@@ -250,7 +257,7 @@ def estimate_memory(
     states = optimizer.states(embedding_size, dtype).values()
     row_bytes = (embedding_size * np.dtype(dtype).itemsize
                  + sum(width * np.dtype(state_dtype).itemsize for width, state_dtype in states))
-    sampled = min(rows, max(num_sample(rows, sample_rate), global_batch))
+    sampled = sampled_per_step(rows, sample_rate, global_batch)
     fp32 = 4
     # float32 work copies of the sampled rows, their gradient and states, and the
     # buffers the rows stored in another dtype are gathered through

@@ -22,7 +22,7 @@ import psutil
 from .. import dist
 from ..centers import estimate_memory, shard_of
 from ..partial_fc import PartialFC
-from .timing import MiB, PeakRSS, PhaseTimer
+from .timing import MiB, PeakRSS, PhaseTimer, synchronized_seconds
 
 
 def add_command(commands) -> None:
@@ -149,15 +149,11 @@ def shard_bytes(pfc: PartialFC) -> int:
 
 def run_steps(pfc: PartialFC, x: mx.nd.NDArray, labels: np.ndarray, count: int) -> list:
     """Seconds per full step (forward, backward, center update), all ranks in step."""
-    times = []
-    for _ in range(count):
-        dist.barrier("bench")
-        start = time.perf_counter()
+    def step() -> None:
         pfc.forward_backward(x, labels)
         pfc.step(0.1)
-        mx.nd.waitall()
-        times.append(time.perf_counter() - start)
-    return times
+
+    return [synchronized_seconds(step) for _ in range(count)]
 
 
 def print_report(args, world: dist.World, everyone: list) -> None:

@@ -11,6 +11,8 @@ from collections import defaultdict
 import mxnet as mx
 import psutil
 
+from .. import dist
+
 MiB = 1024**2
 
 
@@ -47,6 +49,16 @@ class PeakRSS:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def synchronized_seconds(step) -> float:
+    """Wall seconds of `step()` with all the MXNet work it queued, every rank starting
+    together."""
+    dist.barrier("bench")
+    start = time.perf_counter()
+    step()
+    mx.nd.waitall()
+    return time.perf_counter() - start
 
 
 def median_ms(run, repeats: int = 5) -> float:

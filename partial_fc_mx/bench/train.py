@@ -27,7 +27,7 @@ from .. import dist, train
 from ..centers import tensor_size_problem
 from ..config import Config
 from ..margins.combined import CombinedMargin
-from .timing import PhaseTimer
+from .timing import PhaseTimer, synchronized_seconds
 
 GiB = 2**30
 
@@ -147,7 +147,7 @@ def bench_config(world: dist.World, network: str, num_classes: int, head: str,
     mx.nd.waitall()
     startup = time.perf_counter() - start
     batches = job.loader.epoch(0)
-    seconds = [timed(lambda: train.train_step(job, next(batches), 0.01))
+    seconds = [synchronized_seconds(lambda: train.train_step(job, next(batches), 0.01))
                for _ in range(args.warmup + args.steps)][args.warmup:]
     timer = PhaseTimer()
     for _ in range(args.steps):
@@ -158,15 +158,6 @@ def bench_config(world: dist.World, network: str, num_classes: int, head: str,
     return {**result, "img_s": global_batch / statistics.median(seconds),
             "step_ms": 1e3 * statistics.median(seconds), "phases_ms": phases,
             "startup_s": startup}
-
-
-def timed(step) -> float:
-    """Wall seconds of one step, every rank starting together."""
-    dist.barrier("bench")
-    start = time.perf_counter()
-    step()
-    mx.nd.waitall()
-    return time.perf_counter() - start
 
 
 def print_report(args, world: dist.World, results: list) -> None:
