@@ -14,6 +14,7 @@ replaces. It runs only where its estimated memory fits the host.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import tempfile
 import time
@@ -125,7 +126,18 @@ def run(args: argparse.Namespace) -> None:
 
 def bench_config(world: dist.World, network: str, num_classes: int, head: str,
                  args) -> dict:
-    """img/s (median over untimed steps) and the phase split of one configuration."""
+    """img/s (median over untimed steps) and the phase split of one configuration, its
+    memory given back before the next one: a run's parts hold reference cycles (the
+    data-parallel head's parameter, trainer and autograd graph), which only the cycle
+    collector frees, and it may not run before the next configuration allocates."""
+    try:
+        return measure_config(world, network, num_classes, head, args)
+    finally:
+        gc.collect()
+
+
+def measure_config(world: dist.World, network: str, num_classes: int, head: str,
+                   args) -> dict:
     result = {"network": network, "classes": num_classes, "head": head}
     ctx = dist.device(world.local_rank)
     if head == "fc" and (problem := data_parallel_problem(num_classes, args.embedding_size,
