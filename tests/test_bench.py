@@ -78,8 +78,10 @@ def test_the_memory_traffic_floor_counts_logits_rows_states_and_gradient(weight,
 def test_train_bench_reports_both_heads_and_their_ratio():
     result = horovodrun_gloo(2, [sys.executable, "-m", "partial_fc_mx.bench", "train",
                                  "--networks", "tiny", "--classes", "1000", "--batch-size",
-                                 "4", "--steps", "2", "--warmup", "1"], timeout=240)
+                                 "4", "--steps", "2", "--warmup", "1", "--fp16-centers"],
+                             timeout=240)
     assert result.returncode == 0, result.stdout[-3000:]
+    assert "sample_rate 0.1, float16 centers" in result.stdout
     rows = re.findall(r"tiny  C=\s+1,000\s+(pfc|fc)\s+([\d.]+) img/s  step\s+(\d+) ms  "
                       r"\((.+)\)  start-up [\d.]+ s", result.stdout)
     assert [head for head, *_ in rows] == ["pfc", "fc"], result.stdout[-3000:]
@@ -158,7 +160,7 @@ import argparse, psutil
 from partial_fc_mx import dist
 from partial_fc_mx.bench.train import bench_config, data_parallel_bytes
 args = argparse.Namespace(embedding_size=64, batch_size=4, sample_rate=0.1, steps=1,
-                          warmup=0, output=OUTPUT)
+                          warmup=0, output=OUTPUT, fp16_centers=False)
 world = dist.init()
 before = psutil.Process().memory_info().rss
 assert "img_s" in bench_config(world, "tiny", 800_000, "fc", args)

@@ -44,6 +44,8 @@ def add_command(commands) -> None:
     bench.add_argument("--sample-rate", type=float, default=0.1)
     bench.add_argument("--heads", nargs="+", choices=["pfc", "fc"], default=["pfc", "fc"],
                        help="pfc: Partial FC; fc: data-parallel FC (where it fits)")
+    bench.add_argument("--fp16-centers", action="store_true",
+                       help="Partial FC's centers and momentum in float16")
     bench.add_argument("--steps", type=int, default=3)
     bench.add_argument("--warmup", type=int, default=1)
     bench.add_argument("--output", default=str(Path(tempfile.gettempdir()) /
@@ -145,7 +147,7 @@ def measure_config(world: dist.World, network: str, num_classes: int, head: str,
         return {**result, "skipped": problem}
     config = Config(rec="random", num_classes=num_classes, num_image=10**6, network=network,
                     embedding_size=args.embedding_size, batch_size=args.batch_size,
-                    sample_rate=args.sample_rate,
+                    sample_rate=args.sample_rate, fp16_centers=args.fp16_centers,
                     output=str(Path(args.output) / f"{network}-{num_classes}-{head}"),
                     frequent=10**6)
     config.validate()
@@ -175,7 +177,9 @@ def measure_config(world: dist.World, network: str, num_classes: int, head: str,
 def print_report(args, world: dist.World, results: list) -> None:
     print(f"Whole training step: {world.size} ranks, batch {args.batch_size}/rank, random "
           f"112x112 images, device {dist.device(0)}, MXNet {mx.__version__}; Partial FC "
-          f"sample_rate {args.sample_rate}; fc = data-parallel FC over all classes")
+          f"sample_rate {args.sample_rate}, "
+          f"{'float16' if args.fp16_centers else 'float32'} centers; fc = data-parallel FC "
+          "over all classes")
     print("img/s = global batch / median step; phases (rank 0, ms) from separate steps "
           "synchronized at every phase; Partial FC's collectives are in 'classifier', the "
           "data-parallel FC's gradient allreduce in 'classifier update'; start-up = "
