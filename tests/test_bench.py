@@ -105,6 +105,19 @@ def test_train_bench_skips_a_data_parallel_fc_that_cannot_fit():
                      r"give one process 300000000 x 512 class centers", result.stdout)
 
 
+def test_train_bench_prints_each_configuration_before_a_later_one_fails():
+    """A configuration killed for memory (or refused, as 300M classes on 2 ranks are
+    here) must not take the figures of the earlier ones with it."""
+    result = horovodrun_gloo(2, [sys.executable, "-m", "partial_fc_mx.bench", "train",
+                                 "--networks", "tiny", "--classes", "1000", "300000000",
+                                 "--heads", "pfc", "--batch-size", "4", "--steps", "1"],
+                             timeout=180)
+    assert result.returncode != 0
+    assert re.search(r"tiny  C=\s+1,000\s+pfc\s+[\d.]+ img/s", result.stdout), \
+        result.stdout[-3000:]
+    assert "use at least" in result.stdout  # the refusal of the second one
+
+
 DATA_PARALLEL_MATCHES_PARTIAL_FC = """
 import horovod.mxnet as hvd, mxnet as mx, numpy as np
 from partial_fc_mx.bench.train import DataParallelFC

@@ -116,14 +116,20 @@ def data_parallel_problem(num_classes: int, embedding_size: int, batch: int,
 
 
 def run(args: argparse.Namespace) -> None:
+    """Each configuration's line as soon as it is measured: a later one killed for
+    memory leaves the earlier figures on the screen."""
     world = dist.init()
+    if world.is_main:
+        print_header(args, world)
     results = []
     for network in args.networks:
         for num_classes in args.classes:
             for head in args.heads:
                 results.append(bench_config(world, network, num_classes, head, args))
+                if world.is_main:
+                    print_result(results[-1])
     if world.is_main:
-        print_report(args, world, results)
+        print_ratios(results)
 
 
 def bench_config(world: dist.World, network: str, num_classes: int, head: str,
@@ -174,7 +180,7 @@ def measure_config(world: dist.World, network: str, num_classes: int, head: str,
             "startup_s": startup}
 
 
-def print_report(args, world: dist.World, results: list) -> None:
+def print_header(args, world: dist.World) -> None:
     print(f"Whole training step: {world.size} ranks, batch {args.batch_size}/rank, random "
           f"112x112 images, device {dist.device(0)}, MXNet {mx.__version__}; Partial FC "
           f"sample_rate {args.sample_rate}, "
@@ -183,15 +189,20 @@ def print_report(args, world: dist.World, results: list) -> None:
     print("img/s = global batch / median step; phases (rank 0, ms) from separate steps "
           "synchronized at every phase; Partial FC's collectives are in 'classifier', the "
           "data-parallel FC's gradient allreduce in 'classifier update'; start-up = "
-          "train.start (backbone, loader, the classifier) and the fc head")
-    for r in results:
-        name = f"{r['network']:>5}  C={r['classes']:>9,}  {r['head']:>3}"
-        if "skipped" in r:
-            print(f"{name}  cannot run: {r['skipped']}")
-            continue
-        phases = ", ".join(f"{k} {v:.0f}" for k, v in r["phases_ms"].items())
-        print(f"{name}  {r['img_s']:7.1f} img/s  step {r['step_ms']:7.0f} ms  ({phases})  "
-              f"start-up {r['startup_s']:.1f} s")
+          "train.start (backbone, loader, the classifier) and the fc head", flush=True)
+
+
+def print_result(r: dict) -> None:
+    name = f"{r['network']:>5}  C={r['classes']:>9,}  {r['head']:>3}"
+    if "skipped" in r:
+        print(f"{name}  cannot run: {r['skipped']}", flush=True)
+        return
+    phases = ", ".join(f"{k} {v:.0f}" for k, v in r["phases_ms"].items())
+    print(f"{name}  {r['img_s']:7.1f} img/s  step {r['step_ms']:7.0f} ms  ({phases})  "
+          f"start-up {r['startup_s']:.1f} s", flush=True)
+
+
+def print_ratios(results: list) -> None:
     by_config = {(r["network"], r["classes"], r["head"]): r for r in results}
     for (network, classes, head), r in by_config.items():
         other = by_config.get((network, classes, "fc"))
