@@ -191,3 +191,15 @@ def test_train_bench_gives_a_configurations_memory_back_before_the_next(tmp_path
     assert result.returncode == 0, result.stdout[-3000:]
     retained = float(result.stdout.split("RETAINED", 1)[1].split()[0])
     assert retained < 0.3, result.stdout[-3000:]
+
+
+
+@pytest.mark.parametrize("fp16_centers, expected", [(False, 15 * 16 * (4 + 4)),
+                                                     (True, 15 * 16 * (2 + 2))])
+def test_the_start_up_figure_counts_every_array_of_the_shard(fp16_centers, expected):
+    """s/GiB divides by this rank's rows (15 of 31) with their momentum, stored dtypes."""
+    from partial_fc_mx.bench.pfc import shard_bytes
+    from partial_fc_mx.partial_fc import PartialFC
+
+    pfc = PartialFC(31, 16, rank=1, world_size=2, sample_rate=1.0, fp16_centers=fp16_centers)
+    assert shard_bytes(pfc) == expected

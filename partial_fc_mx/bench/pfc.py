@@ -99,9 +99,13 @@ def minimal_traffic(pfc: PartialFC, global_batch: int) -> int:
     read (their gradient can take their buffer), and each sampled row with every
     optimizer state read and written, its float32 gradient written and read."""
     n = len(pfc.sampled_classes)
-    row_bytes = sum(np.dtype(array.dtype).itemsize * array.shape[1]
-                    for array in pfc.centers.arrays().values())
-    return 2 * (global_batch * n * 4 + n * (row_bytes + 4 * pfc.embedding_size))
+    return 2 * (global_batch * n * 4 + n * (row_bytes(pfc) + 4 * pfc.embedding_size))
+
+
+def row_bytes(pfc: PartialFC) -> int:
+    """One center's row with its optimizer states, in their stored dtypes."""
+    return sum(np.dtype(array.dtype).itemsize * array.shape[1]
+               for array in pfc.centers.arrays().values())
 
 
 def bench_config(world: dist.World, ctx: mx.Context, num_classes: int, args) -> dict:
@@ -143,8 +147,7 @@ def bench_config(world: dist.World, ctx: mx.Context, num_classes: int, args) -> 
 
 def shard_bytes(pfc: PartialFC) -> int:
     """The rows and optimizer states this rank keeps for the whole run."""
-    return sum(array.size * np.dtype(array.dtype).itemsize
-               for array in pfc.centers.arrays().values())
+    return pfc.shard.count * row_bytes(pfc)
 
 
 def run_steps(pfc: PartialFC, x: mx.nd.NDArray, labels: np.ndarray, count: int) -> list:
