@@ -14,7 +14,6 @@ replaces. It runs only where its estimated memory fits the host.
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import tempfile
 import time
@@ -28,7 +27,7 @@ from .. import dist, train
 from ..centers import tensor_size_problem
 from ..config import Config
 from ..margins.combined import CombinedMargin
-from .timing import PhaseTimer, synchronized_seconds
+from .timing import PhaseTimer, give_back_freed_memory, synchronized_seconds
 
 GiB = 2**30
 
@@ -135,13 +134,11 @@ def run(args: argparse.Namespace) -> None:
 def bench_config(world: dist.World, network: str, num_classes: int, head: str,
                  args) -> dict:
     """img/s (median over untimed steps) and the phase split of one configuration, its
-    memory given back before the next one: a run's parts hold reference cycles (the
-    data-parallel head's parameter, trainer and autograd graph), which only the cycle
-    collector frees, and it may not run before the next configuration allocates."""
+    memory given back before the next one allocates."""
     try:
         return measure_config(world, network, num_classes, head, args)
     finally:
-        gc.collect()
+        give_back_freed_memory()
 
 
 def measure_config(world: dist.World, network: str, num_classes: int, head: str,
