@@ -188,7 +188,7 @@ print("RETAINED_MIB", (psutil.Process().memory_info().rss - before) / 2**20)
 def test_train_bench_gives_a_configurations_memory_back_before_the_next(
         tmp_path, network, classes, embedding, head):
     """One bench process runs many configurations: what one held must not stay resident
-    (r50 at 1M classes was killed for memory after two 100k runs). Measured before the
+    (r18 over three class counts was killed for memory at the third). Measured before the
     fix: 720 MiB (tiny: reference cycles) and 790 MiB (r18: glibc's heaps) stayed;
     after: under 150 MiB, libraries loaded once."""
     script = GIVES_MEMORY_BACK
@@ -199,7 +199,6 @@ def test_train_bench_gives_a_configurations_memory_back_before_the_next(
     assert result.returncode == 0, result.stdout[-3000:]
     retained = float(result.stdout.split("RETAINED_MIB", 1)[1].split()[0])
     assert retained < 300, result.stdout[-3000:]
-
 
 
 @pytest.mark.parametrize("fp16_centers, expected", [(False, 15 * 16 * (4 + 4)),

@@ -22,7 +22,7 @@ import psutil
 from .. import dist
 from ..centers import estimate_memory, shard_of
 from ..partial_fc import PartialFC
-from .timing import MiB, PeakRSS, PhaseTimer, synchronized_seconds
+from .timing import MiB, PeakRSS, PhaseTimer, give_back_freed_memory, synchronized_seconds
 
 
 def add_command(commands) -> None:
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> None:
     results = []
     for num_classes in sorted(args.classes):
         results.append(bench_config(world, ctx, num_classes, args))
-        mx.nd.waitall()
+        give_back_freed_memory()  # RSS above the baseline is this configuration's own
     alone = world.local_rank == 0
     peak = numpy_sgemm_gflops(args.batch_size * world.size, results[-1]["sampled"],
                               args.embedding_size, alone)

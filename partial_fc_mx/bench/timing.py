@@ -55,12 +55,14 @@ class PeakRSS:
 
 def give_back_freed_memory() -> None:
     """Between configurations of one bench process: free the reference cycles a run
-    leaves (the data-parallel head's parameter, trainer and autograd graph), then
-    return the C heap's free pages to the system. MXNet's freed buffers stayed in
-    glibc's heaps and the next configuration did not reuse them: three r18 runs in a
-    row grew RSS 0.8 -> 1.2 -> 1.5 GiB, and r50 at 1M classes was killed for memory
-    after two 100k runs."""
+    leaves (the data-parallel head's parameter, trainer and autograd graph), let
+    MXNet's engine run the frees it queued, then return the C heap's free pages to the
+    system. MXNet's freed buffers stayed in glibc's heaps and the next configuration
+    did not reuse them: three r18 runs in a row grew RSS 0.8 -> 1.2 -> 1.5 GiB, and r18
+    over three class counts was killed for memory at the third."""
     gc.collect()
+    with contextlib.suppress(mx.base.MXNetError):  # after a failure: keep its error
+        mx.nd.waitall()
     with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to trim
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 

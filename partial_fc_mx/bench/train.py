@@ -60,8 +60,7 @@ class DataParallelFC:
     def __init__(self, num_classes: int, embedding_size: int, ctx: mx.Context) -> None:
         self.weight = mx.gluon.Parameter("fc_weight", shape=(num_classes, embedding_size),
                                          init=mx.init.Normal(0.01))
-        self.weight.initialize(ctx=ctx)
-        dist.broadcast_parameters({"fc_weight": self.weight})  # every rank starts alike
+        self.weight.initialize(ctx=ctx)  # differs across ranks until broadcast
         self.trainer = hvd.DistributedTrainer({"fc_weight": self.weight}, "sgd",
                                               {"momentum": 0.9, "wd": 5e-4}, prefix="fc.")
         self.margin = CombinedMargin(1.0, 0.5, 0.0, scale=64.0)
@@ -133,8 +132,8 @@ def run(args: argparse.Namespace) -> None:
 
 def bench_config(world: dist.World, network: str, num_classes: int, head: str,
                  args) -> dict:
-    """img/s (median over untimed steps) and the phase split of one configuration, its
-    memory given back before the next one allocates."""
+    """img/s (median over steps without the phase timer) and the phase split of one
+    configuration, its memory given back before the next one allocates."""
     try:
         return measure_config(world, network, num_classes, head, args)
     finally:
@@ -161,6 +160,7 @@ def measure_config(world: dist.World, network: str, num_classes: int, head: str,
         job.pfc = dist.run_agreed(
             lambda: DataParallelFC(num_classes, config.embedding_size, job.ctx), "bench.fc",
             (), RuntimeError, "cannot build the data-parallel FC")
+        dist.broadcast_parameters({"fc_weight": job.pfc.weight})  # every rank alike
     mx.nd.waitall()
     startup = time.perf_counter() - start
     batches = job.loader.epoch(0)
