@@ -21,11 +21,11 @@ import mxnet as mx
 import psutil
 
 from . import dist, gpu_support, workdir
-from .centers import MemoryEstimate, estimate_memory
 from .checkpoint import CheckpointError, find_resumable
 from .config import Config
 from .data import DataError
 from .data.source import open_dataset
+from .memory import RunMemory, estimate_run_memory
 
 GiB = 1024**3
 
@@ -39,8 +39,8 @@ class RankInfo:
     local_size: int
     host: str
     device: str
-    free_memory: int
-    memory_need: MemoryEstimate | None
+    free_memory: int | None
+    memory_need: RunMemory | None
     gpus: list[str]  # one line per GPU this process sees: can the installed MXNet run on it
     problems: list[str]
 
@@ -50,24 +50,32 @@ def run_check(config: Config | None, checkpoint: str | None = None) -> int:
     `config` None: the environment alone. `checkpoint`: what --resume-from/--load-from
     names, checked to verify."""
     world = dist.init()
-    ctx = dist.device(world.local_rank)
-    need = None if config is None else estimate_memory(
-        config.num_classes, config.embedding_size, world.size, world.rank, config.sample_rate,
-        config.batch_size * world.size, config.fp16_centers, config.centers_optimizer(),
-    )
+    device_problems = []
+    try:
+        ctx = dist.device(world.local_rank)
+    except dist.DeviceError as error:  # every rank reports, none raises alone
+        ctx, device_problems = None, [str(error)]
+    need = None if config is None else estimate_run_memory(config, world.size, world.rank,
+                                                           ctx or mx.cpu())
+    free, memory_problems = free_memory(ctx, world.local_size)
     info = RankInfo(
-        world.rank, world.local_rank, world.local_size, socket.gethostname(), str(ctx),
-        free_memory(ctx, world.local_size), need, [], [],
+        world.rank, world.local_rank, world.local_size, socket.gethostname(),
+        str(ctx) if ctx else "none", free, need, [], device_problems + memory_problems,
     )
     for line in gpu_support.installed_report():
         (info.problems if line.problem else info.gpus).append(line.text)
     info.problems += check_gpu_driver()
     if config is not None:
         dataset_problems, fingerprint = check_dataset(config)
-        info.problems += dataset_problems + check_memory(need, info.free_memory)
+        info.problems += dataset_problems
+        if free is not None:
+            info.problems += check_memory(need, free)
     everyone = dist.allgather_object(info, name="preflight")
     problems = [f"rank {i.rank} ({i.host}): {p}" for i in everyone for p in i.problems]
     problems = deduplicate_across_ranks(problems)
+    kinds = [i.device.split("(")[0] for i in everyone]
+    if mixed := dist.mixed_devices(kinds):
+        problems.append(mixed)
     if config is not None:  # every rank has one, or none: the same command line
         problems += workdir.sharing_problems(Path(config.output), world)
         if disagreement := dataset_disagreement_across_ranks(fingerprint):
@@ -98,12 +106,20 @@ def deduplicate_across_ranks(lines: list[str]) -> list[str]:
             for text, wheres in by_text.items()]
 
 
-def free_memory(ctx: mx.Context, local_size: int) -> int:
-    """Bytes this process may use: its GPU's free memory, or its share of host RAM."""
+def free_memory(ctx: mx.Context | None, local_size: int) -> tuple[int | None, list[str]]:
+    """Bytes this process may use (its GPU's free memory, or its share of host RAM)
+    and the problem when a GPU cannot tell (None bytes then)."""
+    if ctx is None:
+        return None, []
     if ctx.device_type == "gpu":
-        free, _total = mx.context.gpu_memory_info(ctx.device_id)
-        return int(free)
-    return psutil.virtual_memory().available // max(local_size, 1)
+        try:
+            free, _total = mx.context.gpu_memory_info(ctx.device_id)
+        except mx.base.MXNetError as error:  # its message ends MXNet's C++ traceback
+            said = str(error).strip().splitlines()[-1:] or [""]
+            return None, [f"cannot read the free memory of {ctx}: {said[0]}; is the GPU "
+                          "usable (nvidia-smi) and MXNet a CUDA build?"]
+        return int(free), []
+    return psutil.virtual_memory().available // max(local_size, 1), []
 
 
 def check_gpu_driver() -> list[str]:
@@ -157,14 +173,22 @@ def dataset_disagreement_across_ranks(fingerprint: dict | None) -> str | None:
             + ". Copy the same train.rec and train.idx to every host")
 
 
-def check_memory(need: MemoryEstimate, available: int) -> list[str]:
+def check_memory(need: RunMemory, available: int) -> list[str]:
     if need.total <= available:
         return []
-    return [f"Partial FC needs {need.total / GiB:.1f} GiB per process (centers and their "
-            f"optimizer state {need.centers / GiB:.1f} GiB, per-step "
-            f"{need.working / GiB:.1f} GiB) but "
-            f"{available / GiB:.1f} GiB is free; use more processes, a lower sample_rate or "
-            "fp16_centers=True"]
+    return [f"this process needs about {need.total / GiB:.1f} GiB ({describe_memory(need)}) "
+            f"but {available / GiB:.1f} GiB is free; lower batch_size (the activations), "
+            "or use more processes, a lower sample_rate or fp16_centers=True (Partial FC)"]
+
+
+def describe_memory(need: RunMemory) -> str:
+    backbone, pfc = need.backbone, need.partial_fc
+    parts = {"weights": backbone.weights, "gradients": backbone.gradients,
+             "optimizer": backbone.optimizer, "activations": backbone.activations}
+    return (f"backbone {backbone.total / GiB:.2f} GiB: "
+            + ", ".join(f"{name} {size / GiB:.2f} GiB" for name, size in parts.items())
+            + f"; Partial FC {pfc.total / GiB:.2f} GiB: centers and their optimizer state "
+            f"{pfc.centers / GiB:.2f} GiB, per step {pfc.working / GiB:.2f} GiB")
 
 
 def print_report(config: Config | None, ranks: list[RankInfo]) -> None:
@@ -179,8 +203,9 @@ def print_report(config: Config | None, ranks: list[RankInfo]) -> None:
     print(f"processes: {len(ranks)} on {len(hosts)} host(s) ({', '.join(hosts)}), "
           f"launched by {launcher()}")
     for r in ranks:
+        free = "unknown" if r.free_memory is None else f"{r.free_memory / GiB:.1f} GiB"
         print(f"  rank {r.rank}: host {r.host}, local rank {r.local_rank}/{r.local_size}, "
-              f"device {r.device}, free memory {r.free_memory / GiB:.1f} GiB")
+              f"device {r.device}, free memory {free}")
     for host in hosts:  # ranks of a host may see different GPUs (CUDA_VISIBLE_DEVICES)
         lines = [line for r in ranks if r.host == host for line in r.gpus]
         for line in dict.fromkeys(lines):
@@ -193,8 +218,8 @@ def print_report(config: Config | None, ranks: list[RankInfo]) -> None:
           f"val_targets {[str(p) for p in config.val_paths()]}")
     print(f"work_dir: {config.output} (must be one directory shared by every host)")
     need = ranks[0].memory_need
-    print(f"Partial FC memory on rank 0: centers and their optimizer state "
-          f"{need.centers / GiB:.3f} GiB, per step {need.working / GiB:.3f} GiB")
+    print(f"memory of rank 0 at batch {config.batch_size}: about {need.total / GiB:.2f} GiB "
+          f"({describe_memory(need)})")
 
 
 def horovod_build_summary() -> str:

@@ -127,6 +127,7 @@ def save(work_dir: Path, state: TrainState, net, trainer, pfc: PartialFC,
          validator: Validator, world: dist.World, keep: int) -> Path:
     """Write a checkpoint of `state` on every rank; returns its directory. Any rank's
     failure (a full disk, a non-finite weight) is raised on every rank."""
+    settle()
     refuse_non_finite(net, pfc, state.step, work_dir)
     root = Path(work_dir) / CHECKPOINTS
     final = root / checkpoint_name(state.step)
@@ -161,6 +162,14 @@ def save(work_dir: Path, state: TrainState, net, trainer, pfc: PartialFC,
 
     agreed(finish, "checkpoint.done", f"could not finish checkpoint {final}", world.is_main)
     return final
+
+
+def settle() -> None:
+    """Wait for every queued MXNet operation before reading weights to save them: the
+    BatchNorm statistics a hybridized (static_alloc) training forward updates are not
+    ordered before a copy queued after it (seen: a backbone saved right after a
+    forward held the old statistics)."""
+    mx.nd.waitall()
 
 
 def agreed(action, name: str, context: str, on: bool = True):
@@ -251,12 +260,22 @@ def set_aside(work_dir: Path, newer_than: int = -1) -> Path | None:
 
 
 def save_backbone(net, prefix: str | os.PathLike) -> None:
-    """`prefix`-symbol.json and `prefix`-0000.params for inference (net.export), each
-    written under a temporary name and renamed durably, so a crash never leaves a
-    half-written backbone behind a good name."""
+    """`prefix`-symbol.json and `prefix`-0000.params for inference, in net.export's
+    format, each written under a temporary name and renamed durably, so a crash never
+    leaves a half-written backbone behind a good name.
+
+    The graph comes from calling `net` on a symbol, not from the graph cached by a
+    forward pass (net.export's): the float32 network of a mixed-precision run never
+    runs forward, and its graph has no casts for ONNX to choke on."""
     prefix = Path(prefix)
     tmp = prefix.with_name(f".{prefix.name}.partial")
-    net.export(str(tmp), epoch=0)
+    settle()
+    graph = net(mx.sym.var("data"))
+    auxiliary = set(graph.list_auxiliary_states())
+    graph.save(f"{tmp}-symbol.json")
+    mx.nd.save(f"{tmp}-0000.params",
+               {f"{'aux' if name in auxiliary else 'arg'}:{name}": param.data().copyto(mx.cpu())
+                for name, param in net.collect_params().items()})
     for suffix in ("-symbol.json", "-0000.params"):
         durable.replace(f"{tmp}{suffix}", f"{prefix}{suffix}")
 

@@ -46,8 +46,9 @@ class Config:
     """Images in the training set; 0 means count them from train.idx."""
     val_targets: list = field(default_factory=list)
     """Verification sets: names looked up as <rec>/<name>.bin, or paths to .bin files."""
-    num_workers: int = 2
-    """Decode threads per process."""
+    num_workers: int = 0
+    """Decode threads per process; 0: the host's cores shared by its processes, at least
+    2 (a GPU consumes batches faster than 2 threads decode them)."""
     skip_corrupt: bool = False
     """Replace undecodable images by others of the same batch (counted) instead of failing."""
     augment_crop_scale: float = 1.0

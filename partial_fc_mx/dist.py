@@ -15,6 +15,8 @@ from typing import TypeVar
 import horovod.mxnet as hvd
 import mxnet as mx
 
+from .errors import UserError
+
 T = TypeVar("T")
 
 
@@ -30,9 +32,18 @@ class World:
         return self.rank == 0
 
 
+RESPONSE_CACHE = 4096
+"""Collectives whose negotiation Horovod remembers by name (its default: 1024). A step
+allreduces one gradient per backbone parameter (r100: 771, r200: 1,506) and start-up
+broadcasts as many: past the capacity every step renegotiates and logs evictions."""
+
+
 def init() -> World:
-    if not os.environ.get("HOROVOD_CYCLE_TIME"):  # an exported value wins
-        os.environ["HOROVOD_CYCLE_TIME"] = cycle_time_ms(mx.context.num_gpus())
+    defaults = {"HOROVOD_CYCLE_TIME": cycle_time_ms(mx.context.num_gpus()),
+                "HOROVOD_CACHE_CAPACITY": str(RESPONSE_CACHE)}
+    for name, value in defaults.items():
+        if not os.environ.get(name):  # an exported value wins
+            os.environ[name] = value
     hvd.init()
     return World(hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size())
 
@@ -52,11 +63,61 @@ def world_size() -> int:
     return hvd.size()
 
 
+class DeviceError(UserError, RuntimeError):
+    """A process without a device of its own, or ranks on different kinds of device."""
+
+
+def visible_gpus() -> int:
+    """GPUs this process sees (after CUDA_VISIBLE_DEVICES and any binding)."""
+    return mx.context.num_gpus()
+
+
 def device(local_rank: int) -> mx.Context:
-    """One GPU per process, chosen by local rank, or the CPU when there is none."""
-    if mx.context.num_gpus() > 0:
+    """One GPU per process (choose_device), or the CPU when the process sees none."""
+    return choose_device(local_rank, visible_gpus())
+
+
+def choose_device(local_rank: int, gpus: int) -> mx.Context:
+    """The local rank's GPU among the `gpus` this process sees; the only one when it
+    sees one (Slurm's --gpus-per-task=1, a launcher binding each process to its GPU,
+    a one-GPU pod: every process's GPU is its gpu(0)); the CPU when it sees none."""
+    if gpus == 0:
+        return mx.cpu()
+    if gpus == 1:
+        return mx.gpu(0)
+    if local_rank < gpus:
         return mx.gpu(local_rank)
-    return mx.cpu()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    shown = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+    raise DeviceError(
+        f"local rank {local_rank} has no GPU of its own: this process sees {gpus} GPUs"
+        f"{shown}, gpu(0) to gpu({gpus - 1}). Start at most {gpus} processes on this host "
+        "(horovodrun -H host:N, a hostfile's slots), or give each process its own GPU "
+        "(srun --gpus-per-task=1, or CUDA_VISIBLE_DEVICES per process)")
+
+
+def mixed_devices(kinds: list[str]) -> str | None:
+    """Why ranks on these device kinds (each rank's "gpu" or "cpu", in rank order; any
+    other entry is a rank without a device, reported on its own) cannot train together,
+    or None: a rank on the CPU beside GPUs (its GPUs hidden or missing) would make the
+    whole job wait for it, or run out of its memory."""
+    if not {"cpu", "gpu"} <= set(kinds):
+        return None
+    cpu_ranks = [str(rank) for rank, kind in enumerate(kinds) if kind == "cpu"]
+    return (f"rank(s) {', '.join(cpu_ranks)} see no GPU while the others train on GPUs; "
+            "check CUDA_VISIBLE_DEVICES and nvidia-smi on their hosts")
+
+
+def training_device(world: World) -> mx.Context:
+    """This process's device, agreed by every rank: a rank without a device of its
+    own, or ranks on different kinds of device, stop every rank with the same message
+    before anything is allocated."""
+    ctx = run_agreed(lambda: device(world.local_rank), "device", (DeviceError,), DeviceError,
+                     "cannot choose the device")
+    problem = mixed_devices(allgather_object(ctx.device_type, name="device.kinds"))
+    if problem:
+        raise DeviceError(problem)
+    return ctx
 
 
 def controller() -> str:

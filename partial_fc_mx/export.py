@@ -80,12 +80,18 @@ def onnx_session(path: str | os.PathLike):
 
 
 def parity(work_dir: str | os.PathLike, batch: int = 4, seed: int = 0) -> float:
-    """Max |MXNet - onnxruntime| on the same random inputs (float32)."""
+    """Max |MXNet - onnxruntime| over the L2-normalized embeddings of the same random
+    inputs (float32): what verification compares. Raw embeddings scale with the
+    weights (an untrained r50's reach 1e6), and so would their difference."""
     x = np.random.default_rng(seed).standard_normal((batch, 3, FACE_SIZE, FACE_SIZE),
                                                          dtype=np.float32)
-    expected = mxnet_forward(load_backbone(work_dir), mx.cpu())(x)
-    got = onnx_forward(onnx_session(Path(work_dir) / "backbone.onnx"))(x)
+    expected = normalized(mxnet_forward(load_backbone(work_dir), mx.cpu())(x))
+    got = normalized(onnx_forward(onnx_session(Path(work_dir) / "backbone.onnx"))(x))
     return float(np.abs(got - expected).max())
+
+
+def normalized(embeddings: np.ndarray) -> np.ndarray:
+    return embeddings / np.linalg.norm(embeddings, axis=1, keepdims=True)
 
 
 @dataclass

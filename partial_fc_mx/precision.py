@@ -1,40 +1,120 @@
-"""Mixed precision: a float16 backbone on GPUs, with dynamic loss scaling.
+"""Mixed precision (config `fp16`): the backbone computes in 16 bits, with dynamic loss
+scaling; its parameters, their gradients and the optimizer stay float32.
 
-The backbone graph is converted with MXNet's AMP (`convert_hybrid_block`: float16
-convolutions and dense layers, float32 master weights in the optimizer), rather
-than `amp.init()`, which patches every MXNet operator process-wide and would turn
-Partial FC's logits and softmax to float16 too; those stay float32.
+The backbone's graph is converted with MXNet's AMP (`amp.convert_symbol`: a cast
+before every input of a convolution, dense layer and PReLU), rather than
+`amp.init()`, which patches every MXNet operator process-wide and would turn Partial
+FC's logits and softmax to 16 bits too; those stay float32. The converted graph
+shares the float32 network's parameters (`mixed_precision_block`), so:
+  - checkpoints, --load-from and --resume-from are the same files in either
+    precision (the float32 network's structure names: `features.0.weight`);
+  - backbone-*.params and backbone.onnx are exported from the float32 network,
+    with no cast node and no 16-bit parameter;
+  - every parameter's gradient is float32 (the casts' backward converts them).
+
+On a GPU the 16 bits are float16. MXNet 1.9.1 has no float16 convolution on the CPU
+('FP16 gemm on cpu not implemented'), so a CPU host runs the same conversion with
+bfloat16, which oneDNN computes: a user's GPU config runs unchanged on a CPU host
+(slower), and the conversion, the scaler and the checkpoints are exercised by real
+training where no GPU exists.
 """
 
 from __future__ import annotations
 
+import math
+
 import mxnet as mx
+import numpy as np
 
 from .errors import UserError
 
+MULTI_ALL_FINITE_MAX = 200
+"""multi_all_finite's kernel holds 200 arrays and does not check the count: 201 crash
+MXNet 1.9.1 (its own loss scaler calls it in chunks of 200)."""
+
 
 class PrecisionError(UserError, ValueError):
-    """A precision the device cannot run (fp16 on a CPU)."""
+    """A backbone whose conversion to 16 bits would leave a parameter in 16 bits."""
 
 
 def all_finite(arrays: list) -> bool:
-    """No NaN or Inf in any of `arrays`, one fused check per dtype (multi_all_finite
-    needs its inputs alike: float16 centers beside float32 states or backbone)."""
-    by_dtype = {}
+    """No NaN or Inf in any of `arrays`: one fused check per dtype (multi_all_finite
+    needs its inputs alike: float16 centers beside float32 states) and per 200 arrays
+    (its limit; r50 has 396 parameters)."""
+    by_dtype: dict = {}
     for array in arrays:
         by_dtype.setdefault(array.dtype, []).append(array)
-    return all(bool(mx.nd.multi_all_finite(*group, num_arrays=len(group)).asscalar())
-               for group in by_dtype.values())
+    chunks = [group[i:i + MULTI_ALL_FINITE_MAX] for group in by_dtype.values()
+              for i in range(0, len(group), MULTI_ALL_FINITE_MAX)]
+    flags = [mx.nd.multi_all_finite(*chunk, num_arrays=len(chunk)) for chunk in chunks]
+    return all(bool(flag.asscalar()) for flag in flags)
 
 
-def to_float16(net, ctx: mx.Context):
-    if ctx.device_type != "gpu":
-        raise PrecisionError(
-            "fp16=True needs a GPU: MXNet 1.9.1 has no float16 convolution or dense kernels "
-            "on the CPU ('FP16 gemm on cpu not implemented'). Set fp16=False for CPU runs")
+def compute_dtype(ctx: mx.Context) -> str:
+    """The 16-bit type the backbone computes in with fp16=True on `ctx`."""
+    return "float16" if ctx.device_type == "gpu" else "bfloat16"
+
+
+def mixed_precision_block(net: mx.gluon.HybridBlock, dtype: str) -> mx.gluon.SymbolBlock:
+    """`net` computing in `dtype` (mixed_precision_graph), as a block whose parameters
+    are `net`'s own float32 Parameter objects: an update of either is an update of
+    both. Built from the symbol alone: nothing is computed, so it can be built and
+    checked on any device."""
+    data = mx.sym.var("data", dtype="float32")
+    block = mx.gluon.SymbolBlock(mixed_precision_graph(net(data), dtype), [data],
+                                 params=net.collect_params())
+    block.hybridize(static_alloc=True, static_shape=True)
+    return block
+
+
+def mixed_precision_graph(graph: mx.sym.Symbol, dtype: str) -> mx.sym.Symbol:
+    """`graph` (input "data") with AMP's casts: convolutions and dense layers (and, in
+    float16, PReLU) compute in `dtype`; every parameter stays a float32 input."""
     from mxnet.contrib import amp
+    from mxnet.contrib.amp import lists
 
-    return amp.convert_hybrid_block(net, target_dtype="float16", ctx=ctx)
+    ops = lists.symbol_fp16 if dtype == "float16" else lists.symbol_bf16
+    # PReLU (LeakyReLU) is in no AMP list, so it ran in its input's 16 bits and type
+    # inference made its slope a 16-bit parameter. Listed, its slope gets a cast like
+    # every weight: in float16 it computes in 16 bits; oneDNN has no bfloat16 PReLU.
+    conditional = [c for c in ops.CONDITIONAL_FP32_FUNCS if c[0] != "LeakyReLU"]
+    target = [*(ops.FP16_FUNCS if dtype == "float16" else ops.BF16_FUNCS)]
+    fp32 = [*ops.FP32_FUNCS]
+    (target if dtype == "float16" else fp32).append("LeakyReLU")
+    converted = amp.convert_symbol(graph, dtype, target_dtype_ops=target, fp32_ops=fp32,
+                                   conditional_fp32_ops=conditional, data_names=["data"])
+    if problem := low_precision_parameters(converted):
+        raise PrecisionError(problem)
+    return converted
+
+
+def low_precision_parameters(graph: mx.sym.Symbol) -> str | None:
+    """Why `graph` cannot share float32 parameters (some input other than the data
+    would be typed 16-bit), or None."""
+    arg_types, _, aux_types = graph.infer_type(data="float32")
+    names = graph.list_arguments() + graph.list_auxiliary_states()
+    wrong = [name for name, kind in zip(names, arg_types + aux_types)
+             if kind is not None and np.dtype(kind) != np.float32]
+    if not wrong:
+        return None
+    return (f"the mixed-precision backbone would hold {len(wrong)} parameter(s) in 16 bits "
+            f"({', '.join(wrong[:4])}): an operator outside AMP's lists takes them; add it "
+            "to precision.mixed_precision_block's lists")
+
+
+def clip_global_norm(arrays: list, max_norm: float, unit: float = 1.0) -> float:
+    """Scale `arrays` in place so that the L2 norm of all of them together, times
+    `unit`, is at most `max_norm`; returns that norm before clipping. Any mix of
+    float16 and float32 arrays (Gluon's clip_global_norm adds their norms with add_n,
+    which refuses mixed types); every norm is taken in float32 of the array times
+    `unit`, so loss-scaled gradients (unit = 1 / scale) do not overflow in the squares."""
+    squares = [mx.nd.square(mx.nd.norm(a.astype("float32", copy=False) * unit))
+               for a in arrays]
+    total = math.sqrt(float(mx.nd.add_n(*squares).asscalar()))
+    if total > max_norm:
+        for array in arrays:
+            array *= max_norm / total
+    return total
 
 
 class LossScaler:

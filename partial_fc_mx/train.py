@@ -32,6 +32,7 @@ from .check import dataset_disagreement_across_ranks
 from .checkpoint import CheckpointError, TrainState
 from .config import Config
 from .data import DataError
+from .data.device import on_device
 from .data.loader import Batch, FaceLoader, RandomLoader, in_step
 from .data.recordio import RecordDataset
 from .data.source import make_loader, open_dataset
@@ -44,7 +45,7 @@ from .export import export_onnx
 from .interrupts import StopRequest, Watchdog
 from .optimizers import AdamW, OptimizerStateError
 from .partial_fc import NoTimer, PartialFC
-from .precision import LossScaler, to_float16
+from .precision import LossScaler, clip_global_norm, compute_dtype, mixed_precision_block
 from .schedule import Plan
 from .training_log import TrainingLog
 
@@ -64,6 +65,10 @@ class Run:
     dataset: RecordDataset | None
     loader: FaceLoader | RandomLoader
     net: mx.gluon.HybridBlock
+    """The backbone's parameters, float32, saved and exported by its structure."""
+    model: mx.gluon.HybridBlock
+    """What computes the embeddings: `net`, or with fp16 its 16-bit graph sharing
+    `net`'s parameters (precision.py)."""
     pfc: PartialFC
     trainer: mx.gluon.Trainer
     validator: Validator
@@ -167,12 +172,13 @@ def finish(run: Run, trained: bool) -> None:
 
 
 def batches_to_the_end(run: Run) -> Iterator[Batch]:
-    """Every batch from the run's position to its end, epoch after epoch; each epoch
-    starts where the state stands in it (a resumed run: mid-epoch)."""
+    """Every batch from the run's position to its end, epoch after epoch, its images on
+    the training device; each epoch starts where the state stands in it (a resumed
+    run: mid-epoch)."""
     while not run.plan.done(run.state.epoch, run.state.images_in_epoch):
         epoch = run.state.epoch
-        yield from in_step(run.log.data_wait.timed(
-            run.loader.epoch(epoch, run.state.images_in_epoch)))
+        yield from on_device(in_step(run.log.data_wait.timed(
+            run.loader.epoch(epoch, run.state.images_in_epoch))), run.ctx)
         if run.state.epoch == epoch:  # advance() moves on after an epoch's last batch
             raise TrainingError(f"epoch {epoch} ended before its last global batch")
 
@@ -181,9 +187,9 @@ def batches_to_the_end(run: Run) -> Iterator[Batch]:
 def start(config: Config, resume_from: str | None, load_from: str | None) -> Run:
     """Everything a run needs, with every rank failing together on bad input."""
     world = dist.init()
-    ctx = dist.device(world.local_rank)
+    ctx = dist.training_device(world)
     mx.random.seed(config.seed)
-    work_dir, dataset, loader, validator, net, pfc, trainer = dist.run_agreed(
+    work_dir, dataset, loader, validator, (net, model), pfc, trainer = dist.run_agreed(
         lambda: build(config, world, ctx), "start", (UserError,), TrainingError,
         "start-up failed")
     workdir.check_shared(work_dir, world)
@@ -202,8 +208,8 @@ def start(config: Config, resume_from: str | None, load_from: str | None) -> Run
     for note in [*notes, describe(config, world, ctx, loader, state, total)]:
         log.info(note)
     scaler = LossScaler(dynamic=config.fp16, scale=state.loss_scale if resume_from else 2.0**16)
-    return Run(config, world, ctx, work_dir, dataset, loader, net, pfc, trainer, validator,
-               state, plan, scaler, log)
+    return Run(config, world, ctx, work_dir, dataset, loader, net, model, pfc, trainer,
+               validator, state, plan, scaler, log)
 
 
 def build(config: Config, world: dist.World, ctx: mx.Context) -> tuple:
@@ -215,13 +221,13 @@ def build(config: Config, world: dist.World, ctx: mx.Context) -> tuple:
     loader = make_loader(config, world, dataset)
     validator = Validator([load_bin(p) for p in config.val_paths()] if world.is_main else [],
                           work_dir)
-    net = build_backbone(config, ctx)
+    backbone = build_backbone(config, ctx)
     pfc = PartialFC(config.num_classes, config.embedding_size, rank=world.rank,
                     world_size=world.size, ctx=ctx, sample_rate=config.sample_rate,
                     margin=config.margin_function(), fp16_centers=config.fp16_centers,
                     seed=config.seed, lazy_update=config.center_lazy_update,
                     optimizer=config.centers_optimizer())
-    return work_dir, dataset, loader, validator, net, pfc, make_trainer(config, net)
+    return work_dir, dataset, loader, validator, backbone, pfc, make_trainer(config, backbone[0])
 
 
 def describe(config: Config, world: dist.World, ctx: mx.Context, loader, state: TrainState,
@@ -229,13 +235,23 @@ def describe(config: Config, world: dist.World, ctx: mx.Context, loader, state: 
     """The log's first line about the run: what trains where, and from which point."""
     resumed = (f", resumed at step {state.step} (epoch {state.epoch}, "
                f"{state.images_in_epoch} images into it)" if state.step else "")
+    precision = "float32"
+    if config.fp16:
+        precision = compute_dtype(ctx)
+        if precision != "float16":  # said once, in the log's first line about the run
+            precision += (" (fp16=True on a host without a GPU: MXNet has no float16 "
+                          "convolutions on the CPU, so the same mixed-precision graph "
+                          "computes in bfloat16; slower than float32 here)")
     return (f"training {config.network} on {config.rec}: {config.num_classes} classes, "
-            f"{world.size} processes on {ctx}, {len(loader)} steps per epoch, "
-            f"{total} steps{resumed}")
+            f"{world.size} processes on {ctx}, backbone in {precision}, {len(loader)} steps "
+            f"per epoch, {total} steps{resumed}")
 
 
-def build_backbone(config: Config, ctx: mx.Context):
-    """Parameters get their shapes by shape inference, not by a forward pass: an
+def build_backbone(config: Config, ctx: mx.Context) -> tuple:
+    """(net, model): the float32 network, and what computes the embeddings (net, or
+    with fp16 its mixed-precision graph over the same parameters).
+
+    Parameters get their shapes by shape inference, not by a forward pass: an
     inference-mode forward lets oneDNN reorder the weights in place into its blocked
     layout, and the raw-byte writes of the parameter broadcast and load_parameters
     into such arrays corrupted them (crashes, MPI_ERR_TRUNCATE, hangs)."""
@@ -246,12 +262,12 @@ def build_backbone(config: Config, ctx: mx.Context):
     for param in net.collect_params().values():
         param._finish_deferred_init()
     net.hybridize(static_alloc=True, static_shape=True)
-    return to_float16(net, ctx) if config.fp16 else net
+    return net, mixed_precision_block(net, compute_dtype(ctx)) if config.fp16 else net
 
 
 def make_trainer(config: Config, net) -> mx.gluon.Trainer:
-    options = {"learning_rate": config.lr, "wd": config.weight_decay,
-               "multi_precision": config.fp16}
+    """Over the float32 parameters in either precision (the 16-bit graph casts them)."""
+    options = {"learning_rate": config.lr, "wd": config.weight_decay}
     if config.optimizer == "adamw":  # an instance: MXNet's registry is never touched
         return hvd.DistributedTrainer(net.collect_params(), AdamW(**options))
     return hvd.DistributedTrainer(net.collect_params(), "sgd",
@@ -290,13 +306,13 @@ def restore(config: Config, world: dist.World, ctx: mx.Context, work_dir: Path, 
 
 # ----- one step -----
 def train_step(run: Run, batch: Batch, lr: float, timer=None) -> float:
-    """One step; `timer` (bench train's) times its phases, synchronizing at each."""
-    net, trainer, scaler, ctx = run.net, run.trainer, run.scaler, run.ctx
+    """One step on a batch whose images are on the device (data/device.py); `timer`
+    (bench train's) times its phases, synchronizing at each."""
+    trainer, scaler, ctx = run.trainer, run.scaler, run.ctx
     timer = timer or NoTimer()
     with timer.phase("backbone forward"):
-        images = mx.nd.array(batch.images, ctx=ctx)
         with mx.autograd.record():
-            embeddings = net(images)
+            embeddings = run.model(batch.images)
     with timer.phase("classifier"):
         loss, grad = run.pfc.forward_backward(embeddings, batch.labels,
                                               grad_scale=scaler.scale if scaler.dynamic else 1.0)
@@ -305,7 +321,7 @@ def train_step(run: Run, batch: Batch, lr: float, timer=None) -> float:
     with timer.phase("backbone allreduce"):
         trainer.allreduce_grads()
     with timer.phase("backbone update"):
-        grads = [p.grad(ctx) for p in net.collect_params().values() if p.grad_req != "null"]
+        grads = [p.grad(ctx) for p in run.net.collect_params().values() if p.grad_req != "null"]
         finite = scaler.gradients_finite(grads)
         scaler.update(finite)
         if finite:
@@ -313,8 +329,7 @@ def train_step(run: Run, batch: Batch, lr: float, timer=None) -> float:
             # gradients; batch_size = scale / W turns them into the sum over ranks, unscaled
             batch_size = scaler.scale / run.world.size
             if run.config.clip_grad:
-                effective = trainer._scale / batch_size
-                mx.gluon.utils.clip_global_norm(grads, run.config.clip_grad / effective)
+                clip_global_norm(grads, run.config.clip_grad, unit=trainer._scale / batch_size)
             trainer.set_learning_rate(lr)
             trainer.update(batch_size)
     with timer.phase("classifier update"):
@@ -348,7 +363,7 @@ def evaluate(run: Run) -> None:
     step, log = run.state.step, run.log
 
     def on_main() -> None:
-        results = run.validator.evaluate(mxnet_forward(run.net, run.ctx), step)
+        results = run.validator.evaluate(mxnet_forward(run.model, run.ctx), step)
         for name, result in results.items():
             log.evaluation(name, step, result)
         best = run.validator.keep_if_best(step, lambda prefix: checkpoint.save_backbone(

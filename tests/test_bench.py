@@ -82,7 +82,7 @@ def test_train_bench_reports_both_heads_and_their_ratio():
                              timeout=240)
     assert result.returncode == 0, result.stdout[-3000:]
     assert "sample_rate 0.1, float16 centers" in result.stdout
-    rows = re.findall(r"tiny  C=\s+1,000\s+(pfc|fc)\s+([\d.]+) img/s  step\s+(\d+) ms  "
+    rows = re.findall(r"tiny  B=\s+4  C=\s+1,000\s+(pfc|fc)\s+([\d.]+) img/s  step\s+(\d+) ms  "
                       r"\((.+)\)  start-up [\d.]+ s", result.stdout)
     assert [head for head, *_ in rows] == ["pfc", "fc"], result.stdout[-3000:]
     for _, img_s, step_ms, phases in rows:
@@ -113,9 +113,24 @@ def test_train_bench_prints_each_configuration_before_a_later_one_fails():
                                  "--heads", "pfc", "--batch-size", "4", "--steps", "1"],
                              timeout=180)
     assert result.returncode != 0
-    assert re.search(r"tiny  C=\s+1,000\s+pfc\s+[\d.]+ img/s", result.stdout), \
+    assert re.search(r"tiny  B=\s+4  C=\s+1,000\s+pfc\s+[\d.]+ img/s", result.stdout), \
         result.stdout[-3000:]
     assert "use at least" in result.stdout  # the refusal of the second one
+
+
+def test_the_memory_estimate_matches_the_resident_memory_of_training():
+    """The preflight's estimate (memory.py: weights, gradients, momentum, activations at
+    the batch, Partial FC) against what a real r50 training process grows by; r50 and
+    r100 at batch 8 and 32 are in docs/benchmarks.md."""
+    result = run([sys.executable, "-m", "partial_fc_mx.bench", "train", "--networks", "r50",
+                  "--classes", "1000", "--heads", "pfc", "--batch-size", "8", "--steps", "1",
+                  "--warmup", "0"], timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:]
+    found = re.search(r"memory: estimate ([\d.]+) GiB, RSS growth ([\d.]+) GiB \(x([\d.]+)\)",
+                      result.stdout)
+    assert found, result.stdout[-3000:]
+    assert float(found.group(1)) > 1.0  # the backbone counted, not Partial FC's few MiB alone
+    assert 0.75 <= float(found.group(3)) <= 1.25, found.group(0)
 
 
 DATA_PARALLEL_MATCHES_PARTIAL_FC = """
@@ -172,11 +187,11 @@ GIVES_MEMORY_BACK = """
 import argparse, psutil
 from partial_fc_mx import dist
 from partial_fc_mx.bench.train import bench_config
-args = argparse.Namespace(embedding_size=EMBEDDING, batch_size=8, sample_rate=0.1, steps=1,
-                          warmup=0, output=OUTPUT, fp16_centers=False)
+args = argparse.Namespace(embedding_size=EMBEDDING, sample_rate=0.1, steps=1,
+                          warmup=0, output=OUTPUT, fp16_centers=False, fp16=False)
 world = dist.init()
 before = psutil.Process().memory_info().rss
-assert "img_s" in bench_config(world, NETWORK, CLASSES, HEAD, args)
+assert "img_s" in bench_config(world, NETWORK, 8, CLASSES, HEAD, args)
 print("RETAINED_MIB", (psutil.Process().memory_info().rss - before) / 2**20)
 """
 

@@ -234,7 +234,8 @@ def test_a_broken_driver_or_no_gpu_is_said_plainly(fake_driver, tmp_path):
 def test_the_preflight_names_the_gpu_problem_even_when_mxnet_cannot_load(
         fake_driver, tmp_path, gpu_wheel_without_cuda):
     config = tmp_path / "cfg.py"
-    config.write_text(f"rec = 'random'\nnum_classes = 10\noutput = '{tmp_path / 'out'}'\n")
+    config.write_text(f"rec = 'random'\nnum_classes = 10\nnetwork = 'tiny'\n"
+                      f"output = '{tmp_path / 'out'}'\n")
     env = {**with_gpus(fake_driver, tmp_path, H100), "PYTHONPATH": str(gpu_wheel_without_cuda)}
     result = run(python_module("check", str(config)), env=env, timeout=60)
     assert result.returncode == 1, result.stdout
@@ -251,7 +252,8 @@ def test_the_preflight_names_the_gpu_problem_even_when_mxnet_cannot_load(
 def test_the_preflight_says_once_per_host_that_a_cpu_build_leaves_gpus_unused(
         fake_driver, tmp_path):
     config = tmp_path / "cfg.py"
-    config.write_text(f"rec = 'random'\nnum_classes = 10\noutput = '{tmp_path / 'out'}'\n")
+    config.write_text(f"rec = 'random'\nnum_classes = 10\nnetwork = 'tiny'\n"
+                      f"output = '{tmp_path / 'out'}'\n")
     env = with_gpus(fake_driver, tmp_path, H100, A100)
     command = mpirun_command(2, ["-x", "LD_LIBRARY_PATH", "-x", "FAKE_CUDA_GPUS",
                                  "-x", "PFC_CACHE_DIR", *python_module("check", str(config))])
@@ -304,7 +306,8 @@ def test_the_preflight_refuses_an_h100_on_every_rank(fake_driver, tmp_path):
     with open(library, "ab") as appended:
         appended.write(cu117 * 3)
     config = tmp_path / "cfg.py"
-    config.write_text(f"rec = 'random'\nnum_classes = 10\noutput = '{tmp_path / 'out'}'\n")
+    config.write_text(f"rec = 'random'\nnum_classes = 10\nnetwork = 'tiny'\n"
+                      f"output = '{tmp_path / 'out'}'\n")
     env = {**with_gpus(fake_driver, tmp_path, H100), "MXNET_LIBRARY_PATH": str(library),
            "LD_LIBRARY_PATH": f"{fake_driver}:{REAL_MXNET}"}  # and the BLAS it links
     command = mpirun_command(2, ["-x", "LD_LIBRARY_PATH", "-x", "FAKE_CUDA_GPUS",

@@ -9,7 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-import mxnet as mx
 import numpy as np
 import pytest
 from conftest import (
@@ -31,8 +30,6 @@ from conftest import (
 )
 
 from partial_fc_mx import checkpoint
-from partial_fc_mx.backbones import get_model
-from partial_fc_mx.backbones.summary import count_flops
 
 
 def test_two_processes_learn_and_verify_better_on_unseen_identities(tmp_path, synthetic):
@@ -126,6 +123,33 @@ def test_load_from_takes_weights_and_starts_at_step_zero(tmp_path, synthetic):
     b, c = logged(tmp_path / "b")["losses"], logged(tmp_path / "c")["losses"]
     assert sorted(b) == [1] and b[1] < c[1] - 2.0, (b, c)  # first step: trained weights
     assert "resumed" not in logged(tmp_path / "b")["text"]
+
+
+def test_a_16_bit_run_saves_resumes_on_more_processes_exports_and_loads_in_float32(
+        tmp_path, synthetic):
+    """fp16=True on this CPU trains through the same mixed-precision graph in bfloat16
+    (with the loss scaler and clip_grad), saves on 1 process, resumes on 2, exports an
+    ONNX model that matches; a float32 run then loads its weights."""
+    config = config_file(tmp_path, synthetic, fp16=True, clip_grad=2.0, max_steps=2)
+    work = tmp_path / "work"
+    first = run(train_args(config, work), timeout=600)
+    assert first.returncode == 0, first.stdout[-3000:]
+    saved = json.loads((work / "checkpoints" / "step_000002" / "meta.json").read_text())
+    assert saved["loss_scale"] == 2.0**16  # the scaler ran (a float32 run keeps 1.0)
+    longer = config_file(tmp_path, synthetic, name="longer.py", fp16=True, clip_grad=2.0,
+                         max_steps=6)  # 6 steps of 24 images: 2 more of 48 on 2 processes
+    resumed = mpirun(2, train_args(longer, work, "--resume-from", str(work)), timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    log = logged(work)
+    assert sorted(log["losses"]) == [1, 2, 3, 4] and all(np.isfinite(list(log["losses"].values())))
+    assert "2 processes on cpu(0), backbone in bfloat16 (fp16=True on a host without a GPU" \
+        in log["text"]
+    exported = run(python_module("export", str(work)))
+    assert exported.returncode == 0, exported.stdout[-2000:]  # parity within 1e-4
+    full = config_file(tmp_path, synthetic, name="full.py", max_steps=1)
+    loaded = run(train_args(full, tmp_path / "full", "--load-from", str(work)))
+    assert loaded.returncode == 0, loaded.stdout[-2000:]
+    assert "backbone in float32" in logged(tmp_path / "full")["text"]
 
 
 def start_and_wait(args: list[str], work: Path, steps: int = 2) -> subprocess.Popen:
@@ -227,21 +251,9 @@ def test_an_update_that_makes_the_weights_non_finite_is_never_saved(tmp_path, sy
 
 
 def test_bad_configurations_are_refused(tmp_path, synthetic):
-    cpu_fp16 = run(train_args(config_file(tmp_path, synthetic, fp16=True), tmp_path / "x"))
-    assert cpu_fp16.returncode == 1 and "fp16=True needs a GPU" in cpu_fp16.stdout
     wrong = run(train_args(config_file(tmp_path, synthetic, num_classes=CLASSES + 1),
                            tmp_path / "y"))
     assert wrong.returncode == 1 and f"says {CLASSES} classes but num_classes is " \
                                       f"{CLASSES + 1}" in wrong.stdout
     unknown = run(train_args(config_file(tmp_path, synthetic), tmp_path / "z", "lr_step=3"))
     assert unknown.returncode == 2 and "did you mean 'lr_steps'" in unknown.stdout
-
-
-@pytest.mark.parametrize("name, params_m, gflops", [
-    ("r50", 43.6, 6.3), ("r100", 65.2, 12.1), ("mobilefacenet", 1.2, 0.22)])
-def test_backbones_have_the_published_size(name, params_m, gflops):
-    net = get_model(name)
-    net.initialize()
-    params, macs = count_flops(net)
-    assert abs(params / 1e6 - params_m) < 0.1 and abs(macs / 1e9 - gflops) < 0.05
-    assert net(mx.nd.zeros((2, 3, 112, 112))).shape == (2, 512)

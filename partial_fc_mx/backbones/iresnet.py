@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from mxnet.gluon import HybridBlock, nn
 
+from .dropout import Dropout
+
 BN_EPS = 1e-5
 
 
@@ -36,7 +38,7 @@ class EmbeddingHead(HybridBlock):
     def __init__(self, embedding_size: int, dropout: float) -> None:
         super().__init__()
         self.body = nn.HybridSequential()
-        self.body.add(nn.BatchNorm(epsilon=BN_EPS), nn.Dropout(dropout), nn.Flatten(),
+        self.body.add(nn.BatchNorm(epsilon=BN_EPS), Dropout(dropout), nn.Flatten(),
                       nn.Dense(embedding_size), nn.BatchNorm(epsilon=BN_EPS, scale=False))
 
     def hybrid_forward(self, F, x):

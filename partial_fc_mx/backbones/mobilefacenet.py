@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from mxnet.gluon import HybridBlock, nn
 
+from .dropout import Dropout
 from .iresnet import BN_EPS
 
 
@@ -54,7 +55,7 @@ class MobileFaceNet(HybridBlock):
         gdc = conv_bn(512, 7, groups=512, linear=True, padding=0)  # 7x7 -> 1x1
         self.features.add(conv_bn(512, 1), gdc)
         self.head = nn.HybridSequential()
-        self.head.add(nn.Flatten(), nn.Dropout(dropout), nn.Dense(embedding_size, use_bias=False),
+        self.head.add(nn.Flatten(), Dropout(dropout), nn.Dense(embedding_size, use_bias=False),
                       nn.BatchNorm(epsilon=BN_EPS, scale=False))
 
     def hybrid_forward(self, F, x):

@@ -43,7 +43,7 @@ def add_command(commands) -> None:
 
 def run(args: argparse.Namespace) -> None:
     world = dist.init()
-    ctx = dist.device(world.local_rank)
+    ctx = dist.training_device(world)
     results = []
     for num_classes in sorted(args.classes):
         results.append(bench_config(world, ctx, num_classes, args))

@@ -34,10 +34,11 @@ class PhaseTimer:
 
 
 class PeakRSS:
-    """The largest resident set size seen while it runs (sampled every 2 ms)."""
+    """The largest resident set size seen while it runs (sampled every 2 ms), and the
+    size when it started."""
 
     def __enter__(self) -> PeakRSS:
-        self.peak = psutil.Process().memory_info().rss
+        self.start = self.peak = psutil.Process().memory_info().rss
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()

@@ -3,12 +3,18 @@ Partial FC and with a plain data-parallel FC of the same class count in its plac
 
     horovodrun -np 2 -H localhost:2 --gloo python -m partial_fc_mx.bench train \\
         --networks r18 r50 --classes 100000 1000000 4000000 --batch-size 64
+    python -m partial_fc_mx.bench train --networks r50 r100 --classes 1000 \\
+        --batch-size 8 32 --heads pfc         # memory: the estimate against RSS
 
 The step is the trainer's own (train.train_step on a run set up by train.start with
 rec="random"); the phase split comes from separate steps synchronized at every phase.
 A data-parallel FC keeps all C centers on every rank, scores its rank's batch against
 all of them and allreduces their gradient like a backbone weight: what Partial FC
 replaces. It runs only where its estimated memory fits the host.
+
+Each Partial FC configuration also prints its memory: the preflight's estimate for the
+whole process (memory.py) beside the growth of the process's resident memory from
+before train.start to the peak of its steps.
 """
 
 from __future__ import annotations
@@ -26,8 +32,10 @@ import psutil
 from .. import dist, train
 from ..centers import tensor_size_problem
 from ..config import Config
+from ..data.device import on_device
 from ..margins.combined import CombinedMargin
-from .timing import PhaseTimer, give_back_freed_memory, synchronized_seconds
+from ..memory import estimate_run_memory
+from .timing import PeakRSS, PhaseTimer, give_back_freed_memory, synchronized_seconds
 
 GiB = 2**30
 
@@ -38,13 +46,15 @@ def add_command(commands) -> None:
     bench.set_defaults(func=run)
     bench.add_argument("--networks", nargs="+", default=["r18", "r50"])
     bench.add_argument("--classes", type=int, nargs="+", default=[100_000, 1_000_000, 4_000_000])
-    bench.add_argument("--batch-size", type=int, default=64, help="per rank")
+    bench.add_argument("--batch-size", type=int, nargs="+", default=[64], help="per rank")
     bench.add_argument("--embedding-size", type=int, default=512)
     bench.add_argument("--sample-rate", type=float, default=0.1)
     bench.add_argument("--heads", nargs="+", choices=["pfc", "fc"], default=["pfc", "fc"],
                        help="pfc: Partial FC; fc: data-parallel FC (where it fits)")
     bench.add_argument("--fp16-centers", action="store_true",
                        help="Partial FC's centers and momentum in float16")
+    bench.add_argument("--fp16", action="store_true",
+                       help="the backbone in 16 bits (bfloat16 on a CPU), as config fp16")
     bench.add_argument("--steps", type=int, default=3)
     bench.add_argument("--warmup", type=int, default=1)
     bench.add_argument("--output", default=str(Path(tempfile.gettempdir()) /
@@ -121,38 +131,46 @@ def run(args: argparse.Namespace) -> None:
         print_header(args, world)
     results = []
     for network in args.networks:
-        for num_classes in args.classes:
-            for head in args.heads:
-                results.append(bench_config(world, network, num_classes, head, args))
-                if world.is_main:
-                    print_result(results[-1])
+        for batch in args.batch_size:
+            for num_classes in args.classes:
+                for head in args.heads:
+                    results.append(bench_config(world, network, batch, num_classes, head, args))
+                    if world.is_main:
+                        print_result(results[-1])
     if world.is_main:
         print_ratios(results)
 
 
-def bench_config(world: dist.World, network: str, num_classes: int, head: str,
+def bench_config(world: dist.World, network: str, batch: int, num_classes: int, head: str,
                  args) -> dict:
-    """img/s (median over steps without the phase timer) and the phase split of one
-    configuration, its memory given back before the next one allocates."""
+    """img/s (median over steps without the phase timer), the phase split and the memory
+    of one configuration, its memory given back before the next one allocates."""
     try:
-        return measure_config(world, network, num_classes, head, args)
+        with PeakRSS() as memory:
+            result = measure_config(world, network, batch, num_classes, head, args)
+        if "estimate" in result:
+            result["rss_growth"] = memory.peak - memory.start
+        return result
     finally:
         give_back_freed_memory()
 
 
-def measure_config(world: dist.World, network: str, num_classes: int, head: str,
+def measure_config(world: dist.World, network: str, batch: int, num_classes: int, head: str,
                    args) -> dict:
-    result = {"network": network, "classes": num_classes, "head": head}
-    ctx = dist.device(world.local_rank)
+    result = {"network": network, "batch": batch, "classes": num_classes, "head": head}
+    ctx = dist.training_device(world)
     if head == "fc" and (problem := data_parallel_problem(num_classes, args.embedding_size,
-                                                          args.batch_size, world, ctx)):
+                                                          batch, world, ctx)):
         return {**result, "skipped": problem}
     config = Config(rec="random", num_classes=num_classes, num_image=10**6, network=network,
-                    embedding_size=args.embedding_size, batch_size=args.batch_size,
+                    embedding_size=args.embedding_size, batch_size=batch,
                     sample_rate=args.sample_rate, fp16_centers=args.fp16_centers,
-                    output=str(Path(args.output) / f"{network}-{num_classes}-{head}"),
+                    fp16=args.fp16,
+                    output=str(Path(args.output) / f"{network}-{batch}-{num_classes}-{head}"),
                     frequent=10**6)
     config.validate()
+    if head == "pfc":
+        result["estimate"] = estimate_run_memory(config, world.size, world.rank, ctx).total
     start = time.perf_counter()
     job = train.start(config, None, None)
     if head == "fc":
@@ -163,7 +181,7 @@ def measure_config(world: dist.World, network: str, num_classes: int, head: str,
         dist.broadcast_parameters({"fc_weight": job.pfc.weight})  # every rank alike
     mx.nd.waitall()
     startup = time.perf_counter() - start
-    batches = job.loader.epoch(0)
+    batches = on_device(job.loader.epoch(0), job.ctx)
     seconds = [synchronized_seconds(lambda: train.train_step(job, next(batches), 0.01))
                for _ in range(args.warmup + args.steps)][args.warmup:]
     timer = PhaseTimer()
@@ -171,15 +189,16 @@ def measure_config(world: dist.World, network: str, num_classes: int, head: str,
         train.train_step(job, next(batches), 0.01, timer)
     phases = {name: 1e3 * total / args.steps for name, total in timer.seconds.items()}
     job.log.close()
-    global_batch = args.batch_size * world.size
+    global_batch = batch * world.size
     return {**result, "img_s": global_batch / statistics.median(seconds),
             "step_ms": 1e3 * statistics.median(seconds), "phases_ms": phases,
             "startup_s": startup}
 
 
 def print_header(args, world: dist.World) -> None:
-    print(f"Whole training step: {world.size} ranks, batch {args.batch_size}/rank, random "
-          f"112x112 images, device {dist.device(0)}, MXNet {mx.__version__}; Partial FC "
+    print(f"Whole training step: {world.size} ranks, random 112x112 images, backbone in "
+          f"{'16 bits' if args.fp16 else 'float32'}, device {dist.device(0)}, "
+          f"MXNet {mx.__version__}; Partial FC "
           f"sample_rate {args.sample_rate}, "
           f"{'float16' if args.fp16_centers else 'float32'} centers; fc = data-parallel FC "
           "over all classes")
@@ -190,19 +209,23 @@ def print_header(args, world: dist.World) -> None:
 
 
 def print_result(r: dict) -> None:
-    name = f"{r['network']:>5}  C={r['classes']:>9,}  {r['head']:>3}"
+    name = f"{r['network']:>5}  B={r['batch']:>4}  C={r['classes']:>9,}  {r['head']:>3}"
     if "skipped" in r:
         print(f"{name}  cannot run: {r['skipped']}", flush=True)
         return
     phases = ", ".join(f"{k} {v:.0f}" for k, v in r["phases_ms"].items())
+    memory = ""
+    if "rss_growth" in r:
+        memory = (f"  memory: estimate {r['estimate'] / GiB:.2f} GiB, RSS growth "
+                  f"{r['rss_growth'] / GiB:.2f} GiB (x{r['rss_growth'] / r['estimate']:.2f})")
     print(f"{name}  {r['img_s']:7.1f} img/s  step {r['step_ms']:7.0f} ms  ({phases})  "
-          f"start-up {r['startup_s']:.1f} s", flush=True)
+          f"start-up {r['startup_s']:.1f} s{memory}", flush=True)
 
 
 def print_ratios(results: list) -> None:
-    by_config = {(r["network"], r["classes"], r["head"]): r for r in results}
-    for (network, classes, head), r in by_config.items():
-        other = by_config.get((network, classes, "fc"))
+    by_config = {(r["network"], r["batch"], r["classes"], r["head"]): r for r in results}
+    for (network, batch, classes, head), r in by_config.items():
+        other = by_config.get((network, batch, classes, "fc"))
         if head == "pfc" and other and "img_s" in other and "img_s" in r:
-            print(f"{network:>5}  C={classes:>9,}  Partial FC / data-parallel FC img/s: "
-                  f"{r['img_s'] / other['img_s']:.2f}")
+            print(f"{network:>5}  B={batch:>4}  C={classes:>9,}  Partial FC / data-parallel FC "
+                  f"img/s: {r['img_s'] / other['img_s']:.2f}")

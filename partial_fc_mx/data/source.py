@@ -5,6 +5,7 @@ exactly what training will read."""
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from .loader import FaceLoader, RandomLoader
@@ -34,5 +35,17 @@ def make_loader(config: Config, world: World,
         return RandomLoader(config.batch_size, config.num_classes, images,
                             world_size=world.size, seed=config.seed + world.rank)
     return FaceLoader(dataset, config.batch_size, rank=world.rank, world_size=world.size,
-                      seed=config.seed, num_workers=config.num_workers,
+                      seed=config.seed, num_workers=decode_threads(config.num_workers, world),
                       skip_corrupt=config.skip_corrupt, augment=config.augmentation())
+
+
+def decode_threads(configured: int, world: World) -> int:
+    """`configured`, or when 0 this process's share of the host's cores, at least 2: the
+    cores it is bound to when a launcher bound it to fewer than the host's, otherwise
+    the host's cores divided among its processes."""
+    if configured:
+        return configured
+    cores = os.cpu_count() or 2
+    mine = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
+    share = mine if mine < cores else cores // max(world.local_size, 1)
+    return max(2, share)

@@ -1,11 +1,10 @@
-"""Learning-rate schedules, the dynamic loss scaler and AdamW."""
+"""Learning-rate schedules and the backbone's AdamW."""
 
 import mxnet as mx
 import numpy as np
 import pytest
 
 from partial_fc_mx.checkpoint import TrainState
-from partial_fc_mx.precision import LossScaler, PrecisionError, to_float16
 from partial_fc_mx.schedule import Plan
 
 
@@ -71,24 +70,6 @@ def test_a_resume_on_another_world_size_covers_the_same_progress(seed):
     assert last_start < plan.end <= plan.position(state.epoch, state.images_in_epoch)
     if not max_steps:  # an epoch run ends at the start of the epoch after the last one
         assert (state.epoch, state.images_in_epoch) == (plan.end // images, 0)
-
-
-def test_loss_scaler_halves_on_overflow_and_grows_after_clean_steps():
-    scaler = LossScaler(dynamic=True, scale=1024.0, growth_interval=3)
-    good, bad = [mx.nd.ones(3)], [mx.nd.array([1.0, float("inf")])]
-    assert scaler.gradients_finite(good) and not scaler.gradients_finite(bad)
-    scaler.update(False)
-    assert scaler.scale == 512.0
-    for _ in range(3):
-        scaler.update(True)
-    assert scaler.scale == 1024.0
-    fixed = LossScaler(dynamic=False)
-    assert fixed.scale == 1.0 and fixed.gradients_finite(bad)  # fp32 checks nothing
-
-
-def test_float16_is_refused_on_cpu_with_the_reason():
-    with pytest.raises(PrecisionError, match="fp16=True needs a GPU.*FP16 gemm on cpu"):
-        to_float16(None, mx.cpu())
 
 
 def test_adamw_matches_the_decoupled_update_rule():

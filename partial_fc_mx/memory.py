@@ -1,0 +1,99 @@
+"""One training process's memory, estimated before anything is allocated: the backbone
+(weights, gradients, optimizer states, activations at the batch) and Partial FC
+(centers.estimate_memory). The preflight compares it with the free memory of each
+process's GPU, or its share of the host's RAM.
+
+The backbone's part is read from its graph: parameter shapes, and the shape and type
+of every operator's output at the configured batch (in 16 bits where the
+mixed-precision graph computes in 16 bits), from MXNet's shape and type inference;
+nothing is allocated. Training keeps the forward outputs the backward needs and a
+gradient buffer beside each, so the activations are counted twice. Measured against
+the resident memory of real runs on the CPU (docs/benchmarks.md, `bench train`):
+within 6% for r50 and r100 in float32 at batch 8 and 32; the bfloat16 graph of a CPU
+host holds less than counted. Not measured on a GPU (none of MXNet's wheels runs on
+the GPUs this project was lent).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mxnet as mx
+import numpy as np
+
+from .backbones import get_model
+from .centers import MemoryEstimate, estimate_memory
+from .config import Config
+from .data.transforms import FACE_SIZE
+from .precision import compute_dtype, mixed_precision_graph
+
+KEPT_PER_ACTIVATION = 2
+"""Each forward output is kept for the backward, with a gradient buffer of its size."""
+
+
+@dataclass(frozen=True)
+class BackboneMemory:
+    weights: int
+    """Parameters and BatchNorm statistics, float32."""
+    gradients: int
+    optimizer: int
+    """The optimizer's states (SGD: momentum; AdamW: two moments)."""
+    activations: int
+    """What a training step at the configured batch holds between forward and backward."""
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.activations
+
+
+@dataclass(frozen=True)
+class RunMemory:
+    backbone: BackboneMemory
+    partial_fc: MemoryEstimate
+
+    @property
+    def total(self) -> int:
+        return self.backbone.total + self.partial_fc.total
+
+
+def estimate_run_memory(config: Config, world_size: int, rank: int,
+                        ctx: mx.Context) -> RunMemory:
+    """What rank `rank` of `world_size` needs for `config` on a device like `ctx`."""
+    partial_fc = estimate_memory(
+        config.num_classes, config.embedding_size, world_size, rank, config.sample_rate,
+        config.batch_size * world_size, config.fp16_centers, config.centers_optimizer())
+    return RunMemory(backbone_memory(config, ctx), partial_fc)
+
+
+def backbone_memory(config: Config, ctx: mx.Context) -> BackboneMemory:
+    net = get_model(config.network, config.embedding_size, config.dropout)
+    graph = net(mx.sym.var("data"))
+    if config.fp16:
+        graph = mixed_precision_graph(graph, compute_dtype(ctx))
+    data = (config.batch_size, 3, FACE_SIZE, FACE_SIZE)
+    arguments, _, auxiliary = graph.infer_shape(data=data)
+    names = graph.list_arguments()
+    trainable = sum(int(np.prod(shape)) for name, shape in zip(names, arguments)
+                    if name != "data")
+    statistics = sum(int(np.prod(shape)) for shape in auxiliary)
+    states = optimizer_states(config)
+    return BackboneMemory(4 * (trainable + statistics), 4 * trainable, 4 * states * trainable,
+                          KEPT_PER_ACTIVATION * output_bytes(graph, data))
+
+
+def output_bytes(graph: mx.sym.Symbol, data: tuple) -> int:
+    """Bytes of every operator's output in `graph` for an input of shape `data`."""
+    internals = graph.get_internals()
+    _, shapes, _ = internals.infer_shape(data=data)
+    _, types, _ = internals.infer_type(data="float32")
+    variables = {*graph.list_arguments(), *graph.list_auxiliary_states()}
+    return sum(int(np.prod(shape)) * np.dtype(kind).itemsize
+               for name, shape, kind in zip(internals.list_outputs(), shapes, types)
+               if name not in variables)
+
+
+def optimizer_states(config: Config) -> int:
+    """Arrays of a parameter's size the backbone's optimizer keeps per parameter."""
+    if config.optimizer == "adamw":
+        return 2
+    return 1 if config.momentum else 0
