@@ -25,6 +25,7 @@ from .checkpoint import CheckpointError, find_resumable
 from .config import Config
 from .data import DataError
 from .data.source import open_dataset
+from .errors import UserError
 from .memory import RunMemory, estimate_run_memory
 
 GiB = 1024**3
@@ -39,6 +40,8 @@ class RankInfo:
     local_size: int
     host: str
     device: str
+    gpu: tuple[str, str] | None
+    """(host, PCI bus id) of its GPU (dist.gpu_identity)."""
     free_memory: int | None
     memory_need: RunMemory | None
     gpus: list[str]  # one line per GPU this process sees: can the installed MXNet run on it
@@ -50,17 +53,21 @@ def run_check(config: Config | None, checkpoint: str | None = None) -> int:
     `config` None: the environment alone. `checkpoint`: what --resume-from/--load-from
     names, checked to verify."""
     world = dist.init()
-    device_problems = []
+    mine = []  # this rank's problems: every rank reports its own, none raises alone
     try:
-        ctx = dist.device(world.local_rank)
-    except dist.DeviceError as error:  # every rank reports, none raises alone
-        ctx, device_problems = None, [str(error)]
-    need = None if config is None else estimate_run_memory(config, world.size, world.rank,
-                                                           ctx or mx.cpu())
+        ctx, gpu = dist.own_device(world.local_rank)
+    except (dist.DeviceError, gpu_support.GpuQueryError) as error:
+        ctx, gpu, mine = None, None, [str(error)]
+    need = None
+    if config is not None:
+        try:
+            need = estimate_run_memory(config, world.size, world.rank, ctx or mx.cpu())
+        except (UserError, mx.base.MXNetError) as error:
+            mine.append(f"cannot estimate the memory of this run: {error}")
     free, memory_problems = free_memory(ctx, world.local_size)
     info = RankInfo(
         world.rank, world.local_rank, world.local_size, socket.gethostname(),
-        str(ctx) if ctx else "none", free, need, [], device_problems + memory_problems,
+        str(ctx) if ctx else "none", gpu, free, need, [], mine + memory_problems,
     )
     for line in gpu_support.installed_report():
         (info.problems if line.problem else info.gpus).append(line.text)
@@ -68,14 +75,15 @@ def run_check(config: Config | None, checkpoint: str | None = None) -> int:
     if config is not None:
         dataset_problems, fingerprint = check_dataset(config)
         info.problems += dataset_problems
-        if free is not None:
+        if free is not None and need is not None:
             info.problems += check_memory(need, free)
     everyone = dist.allgather_object(info, name="preflight")
     problems = [f"rank {i.rank} ({i.host}): {p}" for i in everyone for p in i.problems]
     problems = deduplicate_across_ranks(problems)
     kinds = [i.device.split("(")[0] for i in everyone]
-    if mixed := dist.mixed_devices(kinds):
-        problems.append(mixed)
+    problems += [problem for problem in (dist.mixed_devices(kinds),
+                                         dist.shared_gpus([i.gpu for i in everyone]))
+                 if problem]
     if config is not None:  # every rank has one, or none: the same command line
         problems += workdir.sharing_problems(Path(config.output), world)
         if disagreement := dataset_disagreement_across_ranks(fingerprint):
@@ -181,6 +189,25 @@ def check_memory(need: RunMemory, available: int) -> list[str]:
             "or use more processes, a lower sample_rate or fp16_centers=True (Partial FC)"]
 
 
+CLOSE = 0.8
+"""A run estimated to take more of the free memory than this is said to be close: the
+estimate is within 8% for IResNets in float32 but 32% short for MobileFaceNet
+(docs/benchmarks.md)."""
+
+
+def describe_room(free: int | None, need: RunMemory | None) -> str:
+    """A rank's free memory, and what the run needs of it."""
+    if free is None:
+        return "unknown"
+    text = f"{free / GiB:.1f} GiB"
+    if need is not None:
+        text += f", the run needs about {need.total / GiB:.1f}"
+        if CLOSE * free < need.total <= free:
+            text += (" (close: the estimate can be tens of percent short for some "
+                     "networks; docs/benchmarks.md)")
+    return text
+
+
 def describe_memory(need: RunMemory) -> str:
     backbone, pfc = need.backbone, need.partial_fc
     parts = {"weights": backbone.weights, "gradients": backbone.gradients,
@@ -203,9 +230,8 @@ def print_report(config: Config | None, ranks: list[RankInfo]) -> None:
     print(f"processes: {len(ranks)} on {len(hosts)} host(s) ({', '.join(hosts)}), "
           f"launched by {launcher()}")
     for r in ranks:
-        free = "unknown" if r.free_memory is None else f"{r.free_memory / GiB:.1f} GiB"
         print(f"  rank {r.rank}: host {r.host}, local rank {r.local_rank}/{r.local_size}, "
-              f"device {r.device}, free memory {free}")
+              f"device {r.device}, free memory {describe_room(r.free_memory, r.memory_need)}")
     for host in hosts:  # ranks of a host may see different GPUs (CUDA_VISIBLE_DEVICES)
         lines = [line for r in ranks if r.host == host for line in r.gpus]
         for line in dict.fromkeys(lines):
@@ -218,8 +244,9 @@ def print_report(config: Config | None, ranks: list[RankInfo]) -> None:
           f"val_targets {[str(p) for p in config.val_paths()]}")
     print(f"work_dir: {config.output} (must be one directory shared by every host)")
     need = ranks[0].memory_need
-    print(f"memory of rank 0 at batch {config.batch_size}: about {need.total / GiB:.2f} GiB "
-          f"({describe_memory(need)})")
+    if need is not None:
+        print(f"memory of rank 0 at batch {config.batch_size}: about {need.total / GiB:.2f} "
+              f"GiB ({describe_memory(need)})")
 
 
 def horovod_build_summary() -> str:

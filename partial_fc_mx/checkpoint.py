@@ -42,6 +42,7 @@ import mxnet as mx
 import numpy as np
 
 from . import dist, durable
+from .backbones import graph_of
 from .centers import shard_of
 from .errors import UserError
 from .evaluation.validator import Validator
@@ -270,7 +271,7 @@ def save_backbone(net, prefix: str | os.PathLike) -> None:
     prefix = Path(prefix)
     tmp = prefix.with_name(f".{prefix.name}.partial")
     settle()
-    graph = net(mx.sym.var("data"))
+    graph = graph_of(net)
     auxiliary = set(graph.list_auxiliary_states())
     graph.save(f"{tmp}-symbol.json")
     mx.nd.save(f"{tmp}-0000.params",

@@ -66,8 +66,9 @@ class Config:
     embedding_size: int = 512
     dropout: float = 0.0
     fp16: bool = False
-    """float16 backbone with dynamic loss scaling: GPU only (MXNet has no float16
-    convolutions on CPU, so fp16=True on a CPU run is refused)."""
+    """The backbone computes in 16 bits, with dynamic loss scaling: float16 on a GPU,
+    bfloat16 on a CPU host (MXNet has no float16 convolutions there); its parameters
+    and checkpoints stay float32 (precision.py)."""
 
     # --- Partial FC ---
     sample_rate: float = 1.0

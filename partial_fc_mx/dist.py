@@ -7,6 +7,7 @@ same `hvd.init()`; a plain `python -m partial_fc_mx ...` is a world of one.
 from __future__ import annotations
 
 import os
+import socket
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from typing import TypeVar
 import horovod.mxnet as hvd
 import mxnet as mx
 
+from . import gpu_support
 from .errors import UserError
 
 T = TypeVar("T")
@@ -108,13 +110,49 @@ def mixed_devices(kinds: list[str]) -> str | None:
             "check CUDA_VISIBLE_DEVICES and nvidia-smi on their hosts")
 
 
+def gpu_identity(ctx: mx.Context) -> tuple[str, str] | None:
+    """(host, PCI bus id) of the GPU `ctx` names, the same in every process that sees
+    it; None on the CPU or when the driver does not say."""
+    if ctx.device_type != "gpu":
+        return None
+    gpus = gpu_support.visible_gpus() or []
+    if ctx.device_id >= len(gpus) or not gpus[ctx.device_id].bus_id:
+        return None
+    return socket.gethostname(), gpus[ctx.device_id].bus_id
+
+
+def shared_gpus(identities: list) -> str | None:
+    """Why ranks with these GPU identities (gpu_identity, in rank order) cannot train
+    together, or None: two processes on one GPU (a host with one GPU and two processes,
+    each of which sees it as its only one) would fail in NCCL or wait there."""
+    ranks_of: dict = {}
+    for rank, identity in enumerate(identities):
+        if identity is not None:
+            ranks_of.setdefault(tuple(identity), []).append(str(rank))
+    shared = [f"ranks {', '.join(ranks)} on {host} share the GPU at PCI bus {bus}"
+              for (host, bus), ranks in ranks_of.items() if len(ranks) > 1]
+    if not shared:
+        return None
+    return ("; ".join(shared) + ". Start one process per GPU (as many as the host has "
+            "GPUs), or give each process its own (CUDA_VISIBLE_DEVICES, srun "
+            "--gpus-per-task=1)")
+
+
+def own_device(local_rank: int) -> tuple[mx.Context, tuple[str, str] | None]:
+    """This process's device and, for a GPU, its identity (gpu_identity)."""
+    ctx = device(local_rank)
+    return ctx, gpu_identity(ctx)
+
+
 def training_device(world: World) -> mx.Context:
     """This process's device, agreed by every rank: a rank without a device of its
-    own, or ranks on different kinds of device, stop every rank with the same message
-    before anything is allocated."""
-    ctx = run_agreed(lambda: device(world.local_rank), "device", (DeviceError,), DeviceError,
-                     "cannot choose the device")
-    problem = mixed_devices(allgather_object(ctx.device_type, name="device.kinds"))
+    own, ranks on different kinds of device, or two ranks on one GPU stop every rank
+    with the same message before anything is allocated."""
+    ctx, identity = run_agreed(lambda: own_device(world.local_rank), "device", (DeviceError,),
+                               DeviceError, "cannot choose the device")
+    everyone = allgather_object((ctx.device_type, identity), name="device.kinds")
+    problem = (mixed_devices([kind for kind, _ in everyone])
+               or shared_gpus([gpu for _, gpu in everyone]))
     if problem:
         raise DeviceError(problem)
     return ctx

@@ -44,6 +44,8 @@ class Gpu:
     index: int
     name: str
     capability: tuple[int, int]
+    bus_id: str = ""
+    """Its PCI bus id, the same in every process that sees this GPU ("" if unknown)."""
 
     def __str__(self) -> str:
         return (f"GPU {self.index} ({self.name}, compute capability "
@@ -101,7 +103,11 @@ def visible_gpus() -> list[Gpu] | None:
         call("cuDeviceGetName", name, len(name), device)
         call("cuDeviceGetAttribute", ctypes.byref(major), COMPUTE_CAPABILITY_MAJOR, device)
         call("cuDeviceGetAttribute", ctypes.byref(minor), COMPUTE_CAPABILITY_MINOR, device)
-        gpus.append(Gpu(index, name.value.decode(errors="replace"), (major.value, minor.value)))
+        bus_id = ctypes.create_string_buffer(64)
+        if cuda.cuDeviceGetPCIBusId(bus_id, len(bus_id), device) != 0:
+            bus_id.value = b""
+        gpus.append(Gpu(index, name.value.decode(errors="replace"), (major.value, minor.value),
+                        bus_id.value.decode(errors="replace")))
     return gpus
 
 

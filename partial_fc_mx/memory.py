@@ -9,8 +9,8 @@ mixed-precision graph computes in 16 bits), from MXNet's shape and type inferenc
 nothing is allocated. Training keeps the forward outputs the backward needs and a
 gradient buffer beside each, so the activations are counted twice. Measured against
 the resident memory of real runs on the CPU (docs/benchmarks.md, `bench train`):
-within 6% for r50 and r100 in float32 at batch 8 and 32; the bfloat16 graph of a CPU
-host holds less than counted. Not measured on a GPU (none of MXNet's wheels runs on
+within 8% for r50 and r100 in float32 at batch 8 and 32; MobileFaceNet holds 32% more,
+the bfloat16 graph of a CPU host 23-41% less. Not measured on a GPU (none of MXNet's wheels runs on
 the GPUs this project was lent).
 """
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import mxnet as mx
 import numpy as np
 
-from .backbones import get_model
+from .backbones import get_model, graph_of
 from .centers import MemoryEstimate, estimate_memory
 from .config import Config
 from .data.transforms import FACE_SIZE
@@ -66,8 +66,7 @@ def estimate_run_memory(config: Config, world_size: int, rank: int,
 
 
 def backbone_memory(config: Config, ctx: mx.Context) -> BackboneMemory:
-    net = get_model(config.network, config.embedding_size, config.dropout)
-    graph = net(mx.sym.var("data"))
+    graph = graph_of(get_model(config.network, config.embedding_size, config.dropout))
     if config.fp16:
         graph = mixed_precision_graph(graph, compute_dtype(ctx))
     data = (config.batch_size, 3, FACE_SIZE, FACE_SIZE)

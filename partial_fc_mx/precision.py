@@ -26,6 +26,7 @@ import math
 import mxnet as mx
 import numpy as np
 
+from .backbones import graph_of
 from .errors import UserError
 
 MULTI_ALL_FINITE_MAX = 200
@@ -60,8 +61,8 @@ def mixed_precision_block(net: mx.gluon.HybridBlock, dtype: str) -> mx.gluon.Sym
     are `net`'s own float32 Parameter objects: an update of either is an update of
     both. Built from the symbol alone: nothing is computed, so it can be built and
     checked on any device."""
-    data = mx.sym.var("data", dtype="float32")
-    block = mx.gluon.SymbolBlock(mixed_precision_graph(net(data), dtype), [data],
+    graph = mixed_precision_graph(graph_of(net), dtype)
+    block = mx.gluon.SymbolBlock(graph, [mx.sym.var("data", dtype="float32")],
                                  params=net.collect_params())
     block.hybridize(static_alloc=True, static_shape=True)
     return block
@@ -77,6 +78,8 @@ def mixed_precision_graph(graph: mx.sym.Symbol, dtype: str) -> mx.sym.Symbol:
     # PReLU (LeakyReLU) is in no AMP list, so it ran in its input's 16 bits and type
     # inference made its slope a 16-bit parameter. Listed, its slope gets a cast like
     # every weight: in float16 it computes in 16 bits; oneDNN has no bfloat16 PReLU.
+    # (AMP's float32 rule for LeakyReLU's elu and selu goes with it: no backbone here
+    # uses them.)
     conditional = [c for c in ops.CONDITIONAL_FP32_FUNCS if c[0] != "LeakyReLU"]
     target = [*(ops.FP16_FUNCS if dtype == "float16" else ops.BF16_FUNCS)]
     fp32 = [*ops.FP32_FUNCS]
@@ -117,16 +120,28 @@ def clip_global_norm(arrays: list, max_norm: float, unit: float = 1.0) -> float:
     return total
 
 
+FIRST_SCALE = 2.0**16
+
+
 class LossScaler:
     """Multiply the loss (here: its gradient) by `scale` so float16 gradients do not
     underflow; halve it after an overflow (the step is skipped), double it after
     `growth_interval` clean steps. With dynamic=False it stays 1 and checks nothing."""
 
-    def __init__(self, dynamic: bool, scale: float = 2.0**16, growth_interval: int = 2000):
+    def __init__(self, dynamic: bool, scale: float = FIRST_SCALE, growth_interval: int = 2000):
         self.dynamic = dynamic
         self.scale = scale if dynamic else 1.0
         self.growth_interval = growth_interval
         self._clean_steps = 0
+
+    @classmethod
+    def resumed(cls, dynamic: bool, saved: float | None) -> LossScaler:
+        """The scaler of a run resumed from a checkpoint that saved `saved` (None: a
+        fresh run). A 16-bit run continues its own scale; a float32 run saves 1 (no
+        scaling), and a 16-bit run resumed from it starts at 2^16 as a fresh one does:
+        at 1, growing x2 per 2000 steps, its float16 gradients would underflow for
+        32,000 steps. (A 16-bit scale that fell to 1 also restarts at 2^16.)"""
+        return cls(dynamic, saved if saved is not None and saved > 1.0 else FIRST_SCALE)
 
     def gradients_finite(self, grads: list) -> bool:
         """Identical on every rank: the gradients were allreduced before this check."""

@@ -207,7 +207,7 @@ def start(config: Config, resume_from: str | None, load_from: str | None) -> Run
                       first_step=state.step)
     for note in [*notes, describe(config, world, ctx, loader, state, total)]:
         log.info(note)
-    scaler = LossScaler(dynamic=config.fp16, scale=state.loss_scale if resume_from else 2.0**16)
+    scaler = LossScaler.resumed(config.fp16, state.loss_scale if resume_from else None)
     return Run(config, world, ctx, work_dir, dataset, loader, net, model, pfc, trainer,
                validator, state, plan, scaler, log)
 

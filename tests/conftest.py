@@ -97,6 +97,15 @@ def venv_on_path(monkeypatch):
     monkeypatch.setenv("PATH", f"{BIN}{os.pathsep}{os.environ['PATH']}")
 
 
+@pytest.fixture(scope="session")
+def fake_driver(tmp_path_factory) -> Path:
+    """A directory holding the stand-in libcuda.so.1, for LD_LIBRARY_PATH."""
+    directory = tmp_path_factory.mktemp("driver")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-Wall", "-o", str(directory / "libcuda.so.1"),
+                    str(REPO / "tests" / "fake_libcuda.c")], check=True)
+    return directory
+
+
 # ----- training runs on a small synthetic dataset -----
 CLASSES = 120
 

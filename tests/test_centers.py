@@ -10,7 +10,6 @@ from partial_fc_mx.center_optimizers.adamw import AdamW
 from partial_fc_mx.center_optimizers.sgd import SGD
 from partial_fc_mx.centers import ClassCenters, estimate_memory, shard_of, tensor_size_problem
 from partial_fc_mx.partial_fc import PartialFC
-from partial_fc_mx.precision import all_finite
 
 
 def centers(optimizer=None, dtype="float32", lazy=True, rows=50, rank=1, world=3):
@@ -99,14 +98,6 @@ def test_memory_estimate_covers_the_buffers_an_update_keeps(optimizer, dtype):
                                optimizer=optimizer)
     logits = 3 * 1 * 50 * 4
     assert subject.buffers.nbytes() + grad.size * 4 <= estimate.working - logits
-
-
-def test_all_finite_checks_each_dtype():
-    half = mx.nd.array([1.0, np.nan]).astype("float16")
-    full = mx.nd.ones(3)
-    assert all_finite([full, mx.nd.ones(2).astype("float16")])
-    assert not all_finite([full, half])
-    assert not all_finite([mx.nd.array([np.inf]), half.astype("float32")])
 
 
 @pytest.mark.parametrize("classes, world, problem", [

@@ -25,20 +25,28 @@ def test_every_batch_arrives_in_order_and_the_next_copy_is_queued_first(ctx, ahe
     for k, batch in enumerate(on_device(numbered_batches(7, pulled), ctx)):
         assert batch.images.context == ctx
         assert len(pulled) == min(k + 1 + ahead, 7)  # batch k+1 staged before k is used
-        seen.append((batch.images.asnumpy(), batch.labels))
-    assert len(seen) == 7
-    for k, (images, labels) in enumerate(seen):  # no buffer rewritten under a copy
-        assert (images == k).all() and labels.tolist() == [k, k + 1, k + 2]
+        seen.append(batch)  # read only after all are staged: a buffer rewritten under
+    assert len(seen) == 7  # a pending copy would show in an earlier batch
+    for k, batch in enumerate(seen):
+        assert (batch.images.asnumpy() == k).all() and batch.labels.tolist() == [k, k + 1, k + 2]
 
 
 def test_staging_uses_two_pinned_buffers_in_turn():
-    staging = Staging()
-    first = staging.to(mx.cpu(1), np.ones((2, 3), np.float32))
-    second = staging.to(mx.cpu(1), np.zeros((2, 3), np.float32))
+    staging = Staging(mx.cpu(1))
+    first = staging.to_device(np.ones((2, 3), np.float32))
+    second = staging.to_device(np.zeros((2, 3), np.float32))
     assert [b.context for b in staging.buffers] == [mx.cpu_pinned(0)] * 2
+    assert first.context == mx.cpu(1)
     assert first.asnumpy().sum() == 6 and second.asnumpy().sum() == 0
-    third = staging.to(mx.cpu(1), np.full((5,), 2, np.float32))  # a new shape: new buffers
+    third = staging.to_device(np.full((5,), 2, np.float32))  # a new shape: new buffers
     assert third.asnumpy().tolist() == [2] * 5 and staging.buffers[0].shape == (5,)
+
+
+def test_pinned_buffers_belong_to_the_process_gpu():
+    """Pinned memory is registered with one GPU's context: cpu_pinned(0) in every
+    process would open a context on GPU 0 in each (no kernel runs to build these)."""
+    assert Staging(mx.gpu(3)).pinned == mx.cpu_pinned(3)
+    assert Staging(mx.cpu(1)).pinned == mx.cpu_pinned(0)
 
 
 def test_decode_threads_default_to_the_process_share_of_the_cores(monkeypatch):
@@ -52,5 +60,7 @@ def test_decode_threads_default_to_the_process_share_of_the_cores(monkeypatch):
     assert source.decode_threads(3, World(0, 8, 0, 8)) == 3  # as configured
     assert source.decode_threads(0, World(0, 8, 0, 8)) == 8  # 64 cores, 8 processes
     assert source.decode_threads(0, World(0, 64, 0, 64)) == 2  # at least 2
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(12)))
-    assert source.decode_threads(0, World(0, 8, 0, 8)) == 12  # bound to 12 cores
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)))
+    assert source.decode_threads(0, World(0, 8, 0, 8)) == 4  # bound to 4 cores
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)))
+    assert source.decode_threads(0, World(0, 8, 0, 8)) == 8  # a socket shared by 4 ranks

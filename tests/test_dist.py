@@ -79,6 +79,15 @@ def test_a_local_rank_past_the_visible_gpus_is_named(monkeypatch):
         dist.choose_device(2, 2)
 
 
+def test_two_ranks_on_one_gpu_are_named():
+    from partial_fc_mx import dist
+
+    a, b = ("h1", "0000:3b:00.0"), ("h1", "0000:5e:00.0")
+    assert dist.shared_gpus([a, b, ("h2", "0000:3b:00.0"), None]) is None
+    assert dist.shared_gpus([a, b, a]).startswith(
+        "ranks 0, 2 on h1 share the GPU at PCI bus 0000:3b:00.0. Start one process per GPU")
+
+
 def test_ranks_on_gpus_beside_ranks_on_the_cpu_are_named():
     from partial_fc_mx import dist
 
@@ -113,3 +122,29 @@ def test_training_stops_every_rank_before_using_a_device(tmp_path, gpus, message
     lines = [line for line in result.stdout.splitlines() if message in line]
     assert len(lines) == 3, result.stdout[-3000:]  # every rank, the same message
     assert not (tmp_path / "work" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("command", ["check", "train"])
+def test_two_processes_that_see_the_same_single_gpu_are_refused(tmp_path, fake_driver,
+                                                                 command):
+    """Each process sees one GPU, so each takes gpu(0): right when each has its own
+    (srun --gpus-per-task=1), wrong on a one-GPU host with two processes, where both
+    would take the same GPU. The driver's PCI bus ids tell the two apart."""
+    config = tmp_path / "config.py"
+    config.write_text("rec = 'random'\nnum_classes = 30\nnetwork = 'tiny'\n"
+                      "embedding_size = 32\nbatch_size = 2\nmax_steps = 1\n")
+    args = [*DEVICE_WORKER, "1,1", command, str(config), "--work-dir", str(tmp_path / "w")]
+    same = horovodrun_gloo(2, args, timeout=180, env={
+        "LD_LIBRARY_PATH": str(fake_driver), "FAKE_CUDA_GPUS": "NVIDIA A100-SXM4-40GB=8.0"})
+    assert same.returncode != 0
+    lines = [line for line in same.stdout.splitlines()
+             if "ranks 0, 1 on " in line and "share the GPU at PCI bus 0000:00:00.0" in line]
+    assert len(lines) == (1 if command == "check" else 2), same.stdout[-3000:]
+    own = horovodrun_gloo(2, args, timeout=180, env={
+        "LD_LIBRARY_PATH": str(fake_driver),
+        "FAKE_GPUS_BY_RANK": "NVIDIA A100=8.0@0000:3b:00.0|NVIDIA A100=8.0@0000:5e:00.0"})
+    assert own.returncode != 0  # a CPU build cannot go on to use gpu(0)...
+    assert "share the GPU" not in own.stdout  # ...but the device choice passed
+    past = {"check": "cannot read the free memory of gpu(0)",
+            "train": "ranks 0, 1: start-up failed: MXNetError"}[command]
+    assert past in own.stdout, own.stdout[-3000:]

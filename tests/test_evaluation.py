@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import shutil
 from pathlib import Path
 
 import mxnet as mx
@@ -11,8 +12,9 @@ import numpy as np
 import onnx
 import pytest
 from conftest import python_module, run
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
+from partial_fc_mx import checkpoint
 from partial_fc_mx.backbones import get_model
 from partial_fc_mx.data.recordio import DataError
 from partial_fc_mx.data.transforms import encode_jpeg
@@ -26,7 +28,14 @@ from partial_fc_mx.evaluation.verification import (
     ten_fold_accuracy,
     verify,
 )
-from partial_fc_mx.export import check_onnx, export_onnx, load_backbone, onnx_session, parity
+from partial_fc_mx.export import (
+    ExportError,
+    check_onnx,
+    export_onnx,
+    load_backbone,
+    onnx_session,
+    parity,
+)
 
 
 def test_known_accuracy_from_constructed_similarities():
@@ -213,14 +222,14 @@ def test_a_crafted_bin_is_refused_without_running_its_payload(tmp_path, work_dir
 
 @pytest.fixture(scope="module")
 def work_dir(tmp_path_factory) -> Path:
-    """A real backbone exported as training does (net.export) and as ONNX."""
+    """A real backbone exported as training does (checkpoint.save_backbone) and as ONNX."""
     directory = tmp_path_factory.mktemp("work")
     net = get_model("tiny", embedding_size=64)
     net.initialize(mx.init.Xavier())
     net.hybridize()
     with mx.autograd.record():  # some BatchNorm statistics that are not the defaults
         net(mx.nd.random.normal(shape=(8, 3, 112, 112)))
-    net.export(str(directory / "backbone"), epoch=0)
+    checkpoint.save_backbone(net, directory / "backbone")
     export_onnx(directory)
     return directory
 
@@ -235,6 +244,23 @@ def test_onnx_matches_mxnet_with_a_dynamic_batch(work_dir):
     out = session.run(None, {session.get_inputs()[0].name: x})[0]
     expected = load_backbone(work_dir)(mx.nd.array(x)).asnumpy()
     assert out.shape == (3, 64) and np.abs(out - expected).max() <= 1e-4
+
+
+def test_parity_sees_a_wrong_scale_and_refuses_non_finite_embeddings(work_dir, tmp_path):
+    for name in ("backbone-symbol.json", "backbone-0000.params", "backbone.onnx"):
+        shutil.copy(work_dir / name, tmp_path / name)
+    model = onnx.load(str(tmp_path / "backbone.onnx"))  # the same model, output x 2
+    output = model.graph.output[0]
+    model.graph.initializer.append(numpy_helper.from_array(np.array(2, np.float32), "two"))
+    model.graph.node.append(helper.make_node("Mul", [output.name, "two"], ["doubled"]))
+    output.name = "doubled"
+    onnx.save(model, str(tmp_path / "backbone.onnx"))
+    assert parity(tmp_path) == pytest.approx(1.0, rel=1e-3)  # normalized, they agree
+    params = mx.nd.load(str(tmp_path / "backbone-0000.params"))
+    params[sorted(params)[0]][:] = np.nan
+    mx.nd.save(str(tmp_path / "backbone-0000.params"), params)
+    with pytest.raises(ExportError, match="embeddings of random inputs are not finite"):
+        parity(tmp_path)
 
 
 def test_checker_reports_the_figures_and_budgets(work_dir):

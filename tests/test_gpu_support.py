@@ -8,7 +8,6 @@ import importlib.util
 import os
 import shutil
 import struct
-import subprocess
 from collections import Counter
 from pathlib import Path
 
@@ -165,15 +164,6 @@ def test_the_readme_table_is_what_the_wheels_hold():
 
 
 # ----- the commands, with a stand-in NVIDIA driver -----
-@pytest.fixture(scope="module")
-def fake_driver(tmp_path_factory) -> Path:
-    """A directory holding the stand-in libcuda.so.1, for LD_LIBRARY_PATH."""
-    directory = tmp_path_factory.mktemp("driver")
-    subprocess.run(["gcc", "-shared", "-fPIC", "-Wall", "-o", str(directory / "libcuda.so.1"),
-                    str(REPO / "tests" / "fake_libcuda.c")], check=True)
-    return directory
-
-
 def with_gpus(fake_driver: Path, tmp_path: Path, *gpus: str) -> dict:
     return {"LD_LIBRARY_PATH": str(fake_driver), "FAKE_CUDA_GPUS": ";".join(gpus),
             "PFC_CACHE_DIR": str(tmp_path / "cache")}

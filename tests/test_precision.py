@@ -186,3 +186,10 @@ def test_loss_scaler_halves_on_overflow_and_grows_after_clean_steps():
     assert scaler.scale == 1024.0
     fixed = LossScaler(dynamic=False)
     assert fixed.scale == 1.0 and fixed.gradients_finite(bad)  # fp32 checks nothing
+
+
+def test_a_resumed_scaler_continues_a_16_bit_scale_and_starts_anew_after_float32():
+    assert LossScaler.resumed(True, 2.0**13).scale == 2.0**13  # a 16-bit run's own
+    assert LossScaler.resumed(True, 1.0).scale == 2.0**16  # a float32 run's checkpoint
+    assert LossScaler.resumed(True, None).scale == 2.0**16  # a fresh run
+    assert LossScaler.resumed(False, 2.0**13).scale == 1.0  # float32: no scaling

@@ -150,6 +150,12 @@ def test_a_16_bit_run_saves_resumes_on_more_processes_exports_and_loads_in_float
     loaded = run(train_args(full, tmp_path / "full", "--load-from", str(work)))
     assert loaded.returncode == 0, loaded.stdout[-2000:]
     assert "backbone in float32" in logged(tmp_path / "full")["text"]
+    # and back: a float32 checkpoint (no loss scaling) resumed with fp16 scales afresh
+    again = config_file(tmp_path, synthetic, name="again.py", fp16=True, max_steps=2)
+    half = run(train_args(again, tmp_path / "full", "--resume-from", str(tmp_path / "full")))
+    assert half.returncode == 0, half.stdout[-2000:]
+    meta = tmp_path / "full" / "checkpoints" / "step_000002" / "meta.json"
+    assert json.loads(meta.read_text())["loss_scale"] == 2.0**16
 
 
 def start_and_wait(args: list[str], work: Path, steps: int = 2) -> subprocess.Popen:

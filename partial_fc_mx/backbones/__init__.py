@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mxnet as mx
 from mxnet.gluon import HybridBlock
 
 from .iresnet import DEPTHS, IResNet
@@ -29,3 +30,10 @@ def get_model(name: str, embedding_size: int = 512, dropout: float = 0.0) -> Hyb
         return MobileFaceNet(embedding_size, dropout)
     return IResNet((1, 1, 1), widths=(32, 64, 128), stem=16, stem_stride=2,
                    embedding_size=embedding_size, dropout=dropout)
+
+
+def graph_of(net: HybridBlock) -> mx.sym.Symbol:
+    """`net`'s graph with its float32 input named "data", from calling it on a symbol:
+    nothing runs and no cached graph is needed (the float32 network of a 16-bit run
+    never runs forward)."""
+    return net(mx.sym.var("data", dtype="float32"))

@@ -29,10 +29,10 @@ def on_device(batches: Iterator[Batch], ctx: mx.Context) -> Iterator[Batch]:
         for batch in batches:
             yield Batch(mx.nd.array(batch.images, ctx=ctx), batch.labels)
         return
-    staging = Staging()
+    staging = Staging(ctx)
     ahead = None
     for batch in batches:
-        copied = Batch(staging.to(ctx, batch.images), batch.labels)
+        copied = Batch(staging.to_device(batch.images), batch.labels)
         if ahead is not None:
             yield ahead
         ahead = copied
@@ -41,19 +41,24 @@ def on_device(batches: Iterator[Batch], ctx: mx.Context) -> Iterator[Batch]:
 
 
 class Staging:
-    """Two pinned host buffers used in turn."""
+    """Two pinned host buffers used in turn, for copies to `ctx`. Pinned memory is
+    registered with one GPU's driver context: `ctx`'s own (cpu_pinned(0) would open a
+    context on GPU 0 in every process of the host, taking memory from rank 0's GPU)."""
 
-    def __init__(self) -> None:
+    def __init__(self, ctx: mx.Context) -> None:
+        self.ctx = ctx
+        self.pinned = mx.cpu_pinned(ctx.device_id if ctx.device_type == "gpu" else 0)
         self.buffers: list[mx.nd.NDArray] = []
         self.turn = 0
 
-    def to(self, ctx: mx.Context, images: np.ndarray) -> mx.nd.NDArray:
-        """`images` on `ctx`: written into the next pinned buffer (waiting, if need be,
-        for the copy out of it queued two batches ago), the copy to `ctx` queued."""
+    def to_device(self, images: np.ndarray) -> mx.nd.NDArray:
+        """`images` on the device: written into the next pinned buffer (waiting, if need
+        be, for the copy out of it queued two batches ago), the copy to the device
+        queued."""
         if not self.buffers or self.buffers[0].shape != images.shape:
-            self.buffers = [mx.nd.empty(images.shape, ctx=mx.cpu_pinned(0), dtype=images.dtype)
+            self.buffers = [mx.nd.empty(images.shape, ctx=self.pinned, dtype=images.dtype)
                             for _ in range(2)]
         buffer = self.buffers[self.turn]
         self.turn = 1 - self.turn
         buffer[:] = images
-        return buffer.copyto(ctx)
+        return buffer.copyto(self.ctx)

@@ -41,11 +41,10 @@ def make_loader(config: Config, world: World,
 
 def decode_threads(configured: int, world: World) -> int:
     """`configured`, or when 0 this process's share of the host's cores, at least 2: the
-    cores it is bound to when a launcher bound it to fewer than the host's, otherwise
-    the host's cores divided among its processes."""
+    host's cores divided among its processes, or fewer when a launcher bound the
+    process to fewer (bound to a socket, it shares that socket with other ranks)."""
     if configured:
         return configured
     cores = os.cpu_count() or 2
     mine = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
-    share = mine if mine < cores else cores // max(world.local_size, 1)
-    return max(2, share)
+    return max(2, min(mine, cores // max(world.local_size, 1)))
