@@ -21,6 +21,7 @@ from partial_fc_mx.precision import (
     LossScaler,
     all_finite,
     clip_global_norm,
+    mixed_precision_block,
     mixed_precision_graph,
 )
 from partial_fc_mx.train import build_backbone
@@ -89,6 +90,17 @@ def test_the_float16_graph_computes_in_16_bits_over_float32_parameters(network):
     for op in ("Convolution", "FullyConnected", "LeakyReLU"):
         assert set(types[op]) == {np.dtype("float16")}, op
     assert np.dtype(outputs[0]) == np.float32  # the embeddings Partial FC gathers
+
+
+def test_a_gpu_start_up_builds_the_float16_block_over_the_same_parameters():
+    """What build_backbone does with fp16 on a GPU, up to the first kernel: the float16
+    block is made from the hybridized network's symbol (MXNet 1.9.1's
+    convert_hybrid_block needed a cached graph that hybridize() had just cleared)."""
+    net, _ = build_backbone(Config(network="tiny", embedding_size=64), mx.cpu())
+    block = mixed_precision_block(net, "float16")
+    mine, theirs = net.collect_params(), block.collect_params()
+    assert all(theirs[name] is mine[name] for name in mine.keys())
+    assert dict(block._flags)["static_alloc"]
 
 
 def test_the_bfloat16_graph_keeps_prelu_in_float32():
