@@ -41,7 +41,7 @@ broadcasts as many: past the capacity every step renegotiates and logs evictions
 
 
 def init() -> World:
-    defaults = {"HOROVOD_CYCLE_TIME": cycle_time_ms(mx.context.num_gpus()),
+    defaults = {"HOROVOD_CYCLE_TIME": cycle_time_ms(visible_gpus()),
                 "HOROVOD_CACHE_CAPACITY": str(RESPONSE_CACHE)}
     for name, value in defaults.items():
         if not os.environ.get(name):  # an exported value wins

@@ -20,7 +20,7 @@ import onnx
 from . import durable
 from .data import DataError
 from .data.transforms import FACE_SIZE
-from .evaluation.verification import mxnet_forward, onnx_forward
+from .evaluation.verification import mxnet_forward, normalized, onnx_forward
 
 SYMBOL, PARAMS = "backbone-symbol.json", "backbone-0000.params"
 
@@ -95,10 +95,6 @@ def parity(work_dir: str | os.PathLike, batch: int = 4, seed: int = 0) -> float:
     got = onnx_forward(onnx_session(Path(work_dir) / "backbone.onnx"))(x)
     relative = np.abs(got - expected).max() / np.abs(expected).max()
     return float(max(relative, np.abs(normalized(got) - normalized(expected)).max()))
-
-
-def normalized(embeddings: np.ndarray) -> np.ndarray:
-    return embeddings / np.linalg.norm(embeddings, axis=1, keepdims=True)
 
 
 @dataclass

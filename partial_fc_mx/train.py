@@ -221,13 +221,14 @@ def build(config: Config, world: dist.World, ctx: mx.Context) -> tuple:
     loader = make_loader(config, world, dataset)
     validator = Validator([load_bin(p) for p in config.val_paths()] if world.is_main else [],
                           work_dir)
-    backbone = build_backbone(config, ctx)
+    net, model = build_backbone(config, ctx)
     pfc = PartialFC(config.num_classes, config.embedding_size, rank=world.rank,
                     world_size=world.size, ctx=ctx, sample_rate=config.sample_rate,
                     margin=config.margin_function(), fp16_centers=config.fp16_centers,
                     seed=config.seed, lazy_update=config.center_lazy_update,
                     optimizer=config.centers_optimizer())
-    return work_dir, dataset, loader, validator, backbone, pfc, make_trainer(config, backbone[0])
+    return (work_dir, dataset, loader, validator, (net, model), pfc,
+            make_trainer(config, net))
 
 
 def describe(config: Config, world: dist.World, ctx: mx.Context, loader, state: TrainState,

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import horovod.mxnet as hvd
 import mxnet as mx
-import psutil
 
 from .. import dist, train
 from ..centers import tensor_size_problem
+from ..check import free_memory
 from ..config import Config
 from ..data.device import on_device
 from ..margins.combined import CombinedMargin
@@ -111,10 +111,8 @@ def data_parallel_problem(num_classes: int, embedding_size: int, batch: int,
     """Why a data-parallel FC cannot run here (the same answer on every rank), or None."""
     problem = tensor_size_problem(num_classes, 1, embedding_size)
     need = data_parallel_bytes(num_classes, embedding_size, batch)
-    if ctx.device_type == "gpu":
-        room = mx.context.gpu_memory_info(ctx.device_id)[0]
-    else:
-        room = psutil.virtual_memory().available / world.local_size
+    room, unreadable = free_memory(ctx, world.local_size)  # the preflight's figure
+    problem = problem or (unreadable[0] if unreadable else None)
     if problem is None and need > 0.8 * room:
         problem = (f"needs {need / GiB:.1f} GiB per rank, {room / GiB:.1f} GiB available "
                    "per rank")

@@ -90,8 +90,12 @@ def flip_sum(forward, batch: np.ndarray) -> np.ndarray:
 
 def embed(forward, images: np.ndarray, batch_size: int = 64) -> np.ndarray:
     """L2-normalized flip_sum of each image."""
-    embeddings = np.concatenate([flip_sum(forward, images[start:start + batch_size])
-                                 for start in range(0, len(images), batch_size)])
+    return normalized(np.concatenate([flip_sum(forward, images[start:start + batch_size])
+                                      for start in range(0, len(images), batch_size)]))
+
+
+def normalized(embeddings: np.ndarray) -> np.ndarray:
+    """Each row divided by its L2 norm."""
     return embeddings / np.linalg.norm(embeddings, axis=1, keepdims=True)
 
 
