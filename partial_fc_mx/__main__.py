@@ -111,6 +111,34 @@ def build_parser() -> argparse.ArgumentParser:
     model.set_defaults(func=model_command)
     model.add_argument("network", help="r18, r34, r50, r100, r200, mobilefacenet or tiny")
     model.add_argument("--embedding-size", type=int, default=512)
+    plan = commands.add_parser(
+        "plan", help="memory, collectives and FLOPs per GPU of a run, and the fewest GPUs "
+                     "it fits on", description="Per rank (rank 0, the largest shard): "
+        "the memory of every part (the preflight's estimate), the bytes of each collective "
+        "of a step, the FLOPs of a step; whether it fits and on how few GPUs it would. "
+        "Without CONFIG, the defaults of every key not given as an option.")
+    plan.set_defaults(func=plan_command)
+    plan.add_argument("config", nargs="?", help="a config file to start from, e.g. "
+                                                "configs/webface42m_r100.py")
+    plan.add_argument("--classes", type=int, dest="num_classes")
+    plan.add_argument("--embedding-size", type=int)
+    plan.add_argument("--sample-rate", type=float)
+    plan.add_argument("--batch-size", type=int, help="per GPU (process)")
+    plan.add_argument("--network", help="r18, r34, r50, r100, r200, mobilefacenet or tiny")
+    plan.add_argument("--fp16", action=argparse.BooleanOptionalAction,
+                      help="the backbone in 16 bits")
+    plan.add_argument("--fp16-centers", action=argparse.BooleanOptionalAction,
+                      help="the class centers (and SGD's momentum) in float16")
+    plan.add_argument("--center-optimizer", help="sgd or adamw")
+    plan.add_argument("--optimizer", help="the backbone's: sgd or adamw")
+    plan.add_argument("--gpus", "--processes", type=int, dest="world_size",
+                      help="how many (default: the fewest the run fits on)")
+    room = plan.add_mutually_exclusive_group(required=True)
+    room.add_argument("--gpu-memory", type=float, metavar="GIB",
+                      help="memory of one GPU, GiB (what is free: the CUDA context takes "
+                           "some)")
+    room.add_argument("--host-memory", type=float, metavar="GIB",
+                      help="memory of a CPU host its processes share, GiB")
     evaluate = commands.add_parser("eval", help="verification accuracy of a trained backbone")
     evaluate.set_defaults(func=eval_command)
     evaluate.add_argument("--model", required=True, help="a work dir, or a backbone.onnx")
@@ -297,6 +325,25 @@ def model_command(args: argparse.Namespace) -> int:
     print(f"{args.network}: {params / 1e6:.2f} M parameters, {macs / 1e9:.3f} GFLOPs "
           f"(multiply-adds) per 112x112 image, {args.embedding_size}-d embedding")
     return 0
+
+
+PLAN_KEYS = ("num_classes", "embedding_size", "sample_rate", "batch_size", "network", "fp16",
+             "fp16_centers", "center_optimizer", "optimizer")
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    """0: the run fits (on --gpus, or on some number of GPUs); 1: it does not."""
+    from .config import Config
+    from .plan import format_plan, make_plan
+
+    config = load_config(args.config) if args.config else Config()
+    for key in PLAN_KEYS:
+        if getattr(args, key) is not None:
+            setattr(config, key, getattr(args, key))
+    plan = make_plan(config, args.world_size, gpu_memory=args.gpu_memory,
+                     host_memory=args.host_memory)
+    print(format_plan(plan))
+    return 0 if plan.fits else 1
 
 
 # ----- datasets -----

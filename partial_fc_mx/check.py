@@ -26,7 +26,7 @@ from .config import Config
 from .data import DataError
 from .data.source import open_dataset
 from .errors import UserError
-from .memory import RunMemory, estimate_run_memory
+from .memory import CLOSE, RunMemory, estimate_run_memory
 
 GiB = 1024**3
 
@@ -187,12 +187,6 @@ def check_memory(need: RunMemory, available: int) -> list[str]:
     return [f"this process needs about {need.total / GiB:.1f} GiB ({describe_memory(need)}) "
             f"but {available / GiB:.1f} GiB is free; lower batch_size (the activations), "
             "or use more processes, a lower sample_rate or fp16_centers=True (Partial FC)"]
-
-
-CLOSE = 0.8
-"""A run estimated to take more of the free memory than this is said to be close: the
-estimate is within 8% for IResNets in float32 but 32% short for MobileFaceNet
-(docs/benchmarks.md)."""
 
 
 def describe_room(free: int | None, need: RunMemory | None) -> str:

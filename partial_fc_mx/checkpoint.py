@@ -43,7 +43,7 @@ import numpy as np
 
 from . import dist, durable
 from .backbones import graph_of
-from .centers import shard_of
+from .centers import HOST_CHUNK_ELEMENTS, shard_of
 from .errors import UserError
 from .evaluation.validator import Validator
 from .optimizers import load_trainer_state, save_trainer_state
@@ -152,7 +152,7 @@ def save(work_dir: Path, state: TrainState, net, trainer, pfc: PartialFC,
                            for r in range(world.size)],
                 "margin": {"name": pfc.margin.name, "state": pfc.margin.state_dict()},
                 "center_optimizer": pfc.centers.optimizer.name,
-                "center_states": sorted(pfc.centers.states),
+                "center_states": pfc.centers.state_names(),
                 "validator": validator.state_dict(),
                 "files": dict(sorted(table.items()))}
         durable.write_file(partial / META, lambda f: f.write(json.dumps(meta, indent=1)
@@ -184,12 +184,12 @@ def refuse_non_finite(net, pfc: PartialFC, step: int, work_dir: Path) -> None:
     backbone and its shard of the centers; all ranks raise together."""
     arrays = {f"backbone parameter {name}": param.data()
               for name, param in net.collect_params().items()}
-    arrays.update({"class centers": pfc.centers.weight,
-                   **{f"class-center state {name}": state
-                      for name, state in pfc.centers.states.items()}})
+    arrays = {name: [array] for name, array in arrays.items()}
+    arrays.update({("class centers" if name == "weight" else f"class-center state {name}"):
+                   blocks for name, blocks in pfc.centers.arrays().items()})
     error = None
-    if not all_finite(list(arrays.values())):
-        bad = [name for name, array in arrays.items() if not all_finite([array])]
+    if not all_finite([part for parts in arrays.values() for part in parts]):
+        bad = [name for name, parts in arrays.items() if not all_finite(parts)]
         previous = checkpoints(work_dir)
         kept = (f"the last good checkpoint, {previous[-1]}, is untouched: lower lr or set "
                 "clip_grad, then resume with --resume-from" if previous else
@@ -206,15 +206,29 @@ def write_rank_files(directory: Path, net, trainer, pfc: PartialFC,
     sampler = json.dumps(pfc.centers.rng.bit_generator.state).encode()
     files = {sampler_file(world.rank): durable.write_file(
         directory / sampler_file(world.rank), lambda f: f.write(sampler))}
-    for name, array in pfc.centers.arrays().items():  # one array on the host at a time
+    for name, blocks in pfc.centers.arrays().items():
         files[center_file(world.rank, name)] = durable.write_file(
             directory / center_file(world.rank, name),
-            lambda f, array=array: np.save(f, array.asnumpy()))
+            lambda f, blocks=blocks: save_rows(f, blocks))
     if world.is_main:
         files[BACKBONE] = durable.written_by(directory / BACKBONE, net.save_parameters)
         files[OPTIMIZER] = durable.written_by(directory / OPTIMIZER,
                                               lambda path: save_trainer_state(trainer, path))
     return files
+
+
+def save_rows(file, blocks: list[mx.nd.NDArray]) -> None:
+    """The blocks of one center array as one .npy of their rows, copied to the host a
+    part at a time (a shard can be larger than the host's free memory twice over)."""
+    width, dtype = blocks[0].shape[1], np.dtype(blocks[0].dtype)
+    rows = sum(block.shape[0] for block in blocks)
+    np.lib.format.write_array_header_1_0(file, {
+        "descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
+        "shape": (rows, width)})
+    step = max(1, HOST_CHUNK_ELEMENTS // width)
+    for block in blocks:
+        for low in range(0, block.shape[0], step):
+            file.write(block[low:low + step].asnumpy().tobytes())
 
 
 def publish(partial: Path, final: Path) -> None:
@@ -370,10 +384,10 @@ def read_meta(checkpoint: Path, pfc: PartialFC, weights_only: bool = False) -> d
             f"{checkpoint} was trained with center_optimizer={saved!r}; this run has "
             f"center_optimizer={pfc.centers.optimizer.name!r}. Resume with {saved!r}, or "
             f"start {pfc.centers.optimizer.name!r} afresh from its weights with --load-from")
-    if not weights_only and sorted(center_states(meta)) != sorted(pfc.centers.states):
+    if not weights_only and sorted(center_states(meta)) != pfc.centers.state_names():
         raise CheckpointError(
             f"{checkpoint} holds the center states {center_states(meta)}; "
-            f"{pfc.centers.optimizer.name} keeps {sorted(pfc.centers.states)}: it is damaged "
+            f"{pfc.centers.optimizer.name} keeps {pfc.centers.state_names()}: it is damaged "
             "or from another version (its weights can be used with --load-from)")
     return meta
 
@@ -395,10 +409,27 @@ def load_centers(checkpoint: Path, meta: dict, pfc: PartialFC, with_states: bool
             saved = saved_rows(checkpoint / center_file(rank, name), (count, widths[name]))
             parts[name].append(saved[low - start:high - start])
     try:
-        pfc.centers.load_state_dict({**{name: np.concatenate(p) for name, p in parts.items()},
+        pfc.centers.load_state_dict({**{name: JoinedRows(p) for name, p in parts.items()},
                                      **({"sampler": sampler} if sampler else {})})
     except ValueError as error:
         raise CheckpointError(f"{checkpoint}: {error}") from error
+
+
+class JoinedRows:
+    """Consecutive row ranges of saved shards (memory-mapped) as one matrix that is
+    sliced by rows, without joining them in memory: a rank's rows of a 10M-class
+    checkpoint are read a part at a time into its blocks."""
+
+    def __init__(self, parts: list[np.ndarray]) -> None:
+        self.parts = parts
+        self.starts = np.cumsum([0] + [len(part) for part in parts])
+        self.shape = (int(self.starts[-1]), *(parts[0].shape[1:] if parts else (0,)))
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        low, high, _ = rows.indices(self.shape[0])
+        pieces = [part[max(low - start, 0):max(min(high - start, len(part)), 0)]
+                  for part, start in zip(self.parts, self.starts[:-1])]
+        return np.concatenate([p for p in pieces if len(p)] or [pieces[0][:0]])
 
 
 def saved_rows(path: Path, shape: tuple) -> np.ndarray:

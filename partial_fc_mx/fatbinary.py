@@ -80,12 +80,6 @@ def read_images(data: bytes | mmap.mmap, start: int, end: int) -> Fatbinary:
     return Fatbinary(tuple(sorted(sass)), tuple(sorted(ptx)))
 
 
-def default_cache_dir() -> Path:
-    """The cache install.sh uses for Horovod wheels (PFC_CACHE_DIR overrides it)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    return Path(os.environ.get("PFC_CACHE_DIR") or Path(base) / "partial_fc_mx")
-
-
 def library_fatbinaries(library: Path, cache_dir: Path) -> Counter[Fatbinary]:
     """`read_fatbinaries` of a file, cached by its path, size and modification time:
     libmxnet.so is about 900 MB and the preflight runs on every rank. A cache that

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from .fatbinary import Fatbinary, default_cache_dir, library_fatbinaries, wheel_fatbinaries
+from .caches import default_cache_dir
+from .fatbinary import Fatbinary, library_fatbinaries, wheel_fatbinaries
 
 CUDA_ERROR_NO_DEVICE, CUDA_ERROR_STUB_LIBRARY = 100, 34
 COMPUTE_CAPABILITY_MAJOR, COMPUTE_CAPABILITY_MINOR = 75, 76  # cuDeviceGetAttribute

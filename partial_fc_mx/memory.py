@@ -56,13 +56,24 @@ class RunMemory:
         return self.backbone.total + self.partial_fc.total
 
 
+CLOSE = 0.8
+"""A run estimated to take more of the free memory than this is said to be close: the
+estimate is within 8% for IResNets in float32 but 32% short for MobileFaceNet
+(docs/benchmarks.md)."""
+
+
 def estimate_run_memory(config: Config, world_size: int, rank: int,
                         ctx: mx.Context) -> RunMemory:
     """What rank `rank` of `world_size` needs for `config` on a device like `ctx`."""
-    partial_fc = estimate_memory(
+    return RunMemory(backbone_memory(config, ctx), partial_fc_memory(config, world_size, rank))
+
+
+def partial_fc_memory(config: Config, world_size: int, rank: int) -> MemoryEstimate:
+    """Partial FC's part alone: the only part that depends on the world size, so a
+    search over world sizes (plan.py) reads the backbone's graph once."""
+    return estimate_memory(
         config.num_classes, config.embedding_size, world_size, rank, config.sample_rate,
         config.batch_size * world_size, config.fp16_centers, config.centers_optimizer())
-    return RunMemory(backbone_memory(config, ctx), partial_fc)
 
 
 def backbone_memory(config: Config, ctx: mx.Context) -> BackboneMemory:

@@ -70,16 +70,19 @@ class PartialFC:
         timer=None,
         lazy_update: bool = True,
         optimizer: CenterOptimizer | None = None,
+        center_block_rows: int | None = None,
     ) -> None:
         """`margin`: (m1, m2, m3) of the combined margin with `scale`, or a margin of
         margins/ (which has its own scale). `optimizer`: the centers'
-        (center_optimizers/); by default SGD with `momentum` and `weight_decay`."""
+        (center_optimizers/); by default SGD with `momentum` and `weight_decay`.
+        `center_block_rows`: rows per stored block of the shard (default: as many as
+        one MXNet array holds; tests lower it)."""
         if not 0 < sample_rate <= 1:
             raise ValueError(f"sample_rate={sample_rate} must be in (0, 1]")
         if num_classes < world_size:
             raise ValueError(f"{num_classes} classes cannot be sharded over {world_size} ranks")
-        # the shard only: the logits' size depends on the batch (Config checks both)
-        if problem := tensor_size_problem(num_classes, world_size, embedding_size):
+        # the sampled rows only: the logits' size depends on the batch (Config checks both)
+        if problem := tensor_size_problem(num_classes, world_size, embedding_size, sample_rate):
             raise ValueError(problem)
         self.num_classes, self.embedding_size = num_classes, embedding_size
         self.rank, self.world_size = rank, world_size
@@ -89,7 +92,7 @@ class PartialFC:
             shard_of(num_classes, rank, world_size), embedding_size,
             optimizer or SGD(momentum=momentum, weight_decay=weight_decay), ctx=self.ctx,
             dtype=center_dtype(fp16_centers), seed=seed, rank=rank,
-            lazy=lazy_update)
+            lazy=lazy_update, block_rows=center_block_rows)
         self.shard = self.centers.shard
         self.num_sample = num_sample(self.shard.count, sample_rate)
         self.margin = CombinedMargin(*margin, scale=scale) if isinstance(margin, tuple) \
@@ -101,7 +104,7 @@ class PartialFC:
 
     @property
     def weight(self) -> mx.nd.NDArray:
-        """This rank's rows of the class centers."""
+        """This rank's rows of the class centers (when they are one block)."""
         return self.centers.weight
 
     @property
@@ -238,8 +241,8 @@ class PartialFC:
         Every positive class in the shard is kept, even when there are more than
         num_sample of them (dropping one would corrupt that sample's loss); the rest
         are uniform negatives drawn without replacement from this rank's own stream.
-        Returns the sorted shard rows as an NDArray (None: every row), and each
-        label's column among them (-1 when the class lives on another rank).
+        Returns the sorted shard rows (None: every row), and each label's column
+        among them (-1 when the class lives on another rank).
         """
         local = labels - self.shard.start
         in_shard = (local >= 0) & (local < self.shard.count)
@@ -253,8 +256,7 @@ class PartialFC:
             index = np.sort(np.concatenate([positives, negatives]))
             target_col = np.where(in_shard, np.searchsorted(index, local), -1)
         self._last_rows = index
-        index_nd = None if index is None else mx.nd.array(index, ctx=self.ctx, dtype="int64")
-        return index_nd, target_col
+        return index, target_col
 
     def _buffer(self, name: str, rows: mx.nd.NDArray, cols: mx.nd.NDArray | None = None):
         """This step's rows x cols (a matrix of rows' shape when cols is None) in a

@@ -116,13 +116,15 @@ def run_steps(case: str, rank: int, world: int) -> dict:
     weight = rng.normal(size=(num_classes, dim)).astype(np.float32)
     reshape = far_apart(rng, weight, dim) if case == "far" else (lambda x: x)
     states = start_states(rng, (num_classes, dim))
+    # blocks: each shard stored in blocks of 11 rows, its sample spread over them
     pfc = PartialFC(num_classes, dim, rank=rank, world_size=world, sample_rate=sample_rate,
                     margin=margin, scale=scale, fp16_centers=fp16, seed=7, lazy_update=lazy,
-                    optimizer=optimizer)
+                    optimizer=optimizer, center_block_rows=11 if "blocks" in case else None)
+    assert len(pfc.centers.blocks) == (-(-pfc.shard.count // 11) if "blocks" in case else 1)
     shard = slice(pfc.shard.start, pfc.shard.stop)
-    stored = {name: state.dtype for name, state in pfc.centers.states.items()}
+    stored = {name: parts[0].dtype for name, parts in pfc.centers.arrays().items()}
     # the reference starts from the same (rounded) values
-    weight = weight.astype(pfc.weight.dtype)
+    weight = weight.astype(stored.pop("weight"))
     states = {name: state.astype(stored[name]) for name, state in states.items()}
     pfc.centers.load_state_dict({"weight": weight[shard],
                                  **{name: state[shard] for name, state in states.items()}})

@@ -1,8 +1,10 @@
-"""One rank of the re-sharding test. Usage: reshard_worker.py CHECKPOINT_DIR
+"""One rank of the re-sharding test. Usage: reshard_worker.py CHECKPOINT_DIR [BLOCK_ROWS]
 
 Each rank cuts its rows out of a checkpoint saved at another world size; rank 0
 checks that the gathered shards equal the saved matrices (the weights and every
 state of the centers' optimizer) bit for bit, and prints RESHARD OK <saved W> -> <this W>.
+With BLOCK_ROWS, each rank stores its rows in blocks of that many (as a shard past
+one MXNet array is stored).
 """
 
 from __future__ import annotations
@@ -24,11 +26,13 @@ def main() -> None:
     hvd.init()
     meta = json.loads((checkpoint / "meta.json").read_text())
     optimizer = center_optimizers.build(meta["center_optimizer"])
+    block_rows = int(sys.argv[2]) if len(sys.argv) > 2 else None
     pfc = PartialFC(meta["num_classes"], meta["embedding_size"], rank=hvd.rank(),
-                    world_size=hvd.size(), optimizer=optimizer)
+                    world_size=hvd.size(), optimizer=optimizer, center_block_rows=block_rows)
+    assert len(pfc.centers.blocks) == (-(-pfc.shard.count // block_rows) if block_rows else 1)
     load_centers(checkpoint, meta, pfc, with_states=True)
     names = ["weight", *meta["center_states"]]
-    assert names[1:] == sorted(pfc.centers.states), names
+    assert names[1:] == pfc.centers.state_names(), names
     state = pfc.centers.state_dict()
     gathered = {name: hvd.allgather_object(state[name]) for name in names}
     if hvd.rank() == 0:

@@ -54,10 +54,11 @@ def test_sgd_is_mxnets_row_sparse_update_bit_for_bit(lazy):
     rng = np.random.default_rng(1)
     subject.load_state_dict({"weight": rng.normal(size=(50, 8)), "mom": rng.normal(size=(50, 8))})
     weight, momentum = subject.weight.copy(), subject.states["mom"].copy()
-    index = mx.nd.array([2, 7, 30], dtype="int64")
+    index = np.array([2, 7, 30])
     grad = mx.nd.array(rng.normal(size=(3, 8)))
     subject.update(index, subject.sampled_weights(index), grad, 0.1)
-    sparse = mx.nd.sparse.row_sparse_array((grad, index), shape=(50, 8))
+    sparse = mx.nd.sparse.row_sparse_array((grad, mx.nd.array(index, dtype="int64")),
+                                           shape=(50, 8))
     mx.nd.sgd_mom_update(weight, sparse, momentum, lr=0.1, momentum=0.9, wd=5e-4,
                          lazy_update=lazy, out=weight)
     assert subject.weight.asnumpy().tobytes() == weight.asnumpy().tobytes()
@@ -69,7 +70,7 @@ def test_float16_centers_keep_float32_adamw_moments():
     assert subject.weight.dtype == np.float16
     assert {name: state.dtype for name, state in subject.states.items()} == {
         "mean": np.float32, "var": np.float32, "steps": np.float32}
-    index = mx.nd.array([0, 4], dtype="int64")
+    index = np.array([0, 4])
     grad = mx.nd.array(np.full((2, 8), 1e-5))  # g^2 = 1e-10: zero in float16
     subject.update(index, subject.sampled_weights(index), grad, 1e-3)
     assert (subject.states["var"].asnumpy()[[0, 4]] > 0).all()
@@ -91,7 +92,7 @@ def test_memory_estimate_covers_the_buffers_an_update_keeps(optimizer, dtype):
     """The rows gathered for a step, their float32 copies and the gradient stay in
     buffers between steps (workspace.py); the per-step estimate must hold them."""
     subject = centers(optimizer, dtype=dtype, rows=200, rank=0, world=1)
-    index = mx.nd.array(np.arange(0, 200, 4), dtype="int64")  # 50 of 200 rows
+    index = np.arange(0, 200, 4)  # 50 of 200 rows
     grad = mx.nd.ones((50, 8))
     subject.update(index, subject.sampled_weights(index), grad, 0.1)
     estimate = estimate_memory(200, 8, 1, 0, 0.25, 1, fp16_centers=dtype == "float16",
@@ -100,20 +101,21 @@ def test_memory_estimate_covers_the_buffers_an_update_keeps(optimizer, dtype):
     assert subject.buffers.nbytes() + grad.size * 4 <= estimate.working - logits
 
 
-@pytest.mark.parametrize("classes, world, problem", [
-    (4_194_303, 1, None),  # 4,194,303 x 512 = 2^31 - 512 elements: one array holds it
-    (4_194_304, 1, "4194304 x 512 class centers = 2,147,483,648 elements, more than the "
-                   "2,147,483,647"),
-    (9_000_000, 2, "use at least 3 processes"),
-    (9_000_000, 3, None),
+@pytest.mark.parametrize("classes, world, rate, problem", [
+    (4_194_303, 1, 1.0, None),  # 4,194,303 x 512 = 2^31 - 512 elements: one array holds it
+    (4_194_304, 1, 1.0, "4,194,304 x 512 = 2,147,483,648 elements, more than the "
+                        "2,147,483,647"),
+    (9_000_000, 2, 1.0, "lower sample_rate or use at least 3 processes"),
+    (9_000_000, 1, 0.1, None),  # a shard past the limit is stored in blocks
+    (9_000_000, 3, 1.0, None),
 ])
-def test_a_shard_larger_than_one_mxnet_array_is_named_before_allocation(classes, world,
-                                                                       problem):
-    found = tensor_size_problem(classes, world, 512)
+def test_sampled_centers_larger_than_one_mxnet_array_are_named_before_allocation(
+        classes, world, rate, problem):
+    found = tensor_size_problem(classes, world, 512, rate)
     assert found == problem if problem is None else problem in found
     if problem:
         with pytest.raises(ValueError, match="USE_INT64_TENSOR_SIZE"):
-            PartialFC(classes, 512, world_size=world)
+            PartialFC(classes, 512, world_size=world, sample_rate=rate)
 
 
 def test_logits_larger_than_one_mxnet_array_are_named():
@@ -125,4 +127,97 @@ def test_logits_larger_than_one_mxnet_array_are_named():
 
 def test_an_int64_build_has_no_size_limit(monkeypatch):
     monkeypatch.setattr(mx.runtime.Features, "is_enabled", lambda self, name: True)
-    assert tensor_size_problem(9_000_000, 1, 512) is None
+    assert tensor_size_problem(9_000_000, 1, 512) is None  # all 9M sampled
+
+
+# ----- a shard stored in several blocks (past one MXNet array) -----
+
+def old_initial_centers(seed: int, start: int, count: int, width: int) -> np.ndarray:
+    """The initial centers as the code drew them before the shard had blocks: rows
+    start..start+count of N(0, 0.01), one generator per 4096 global rows."""
+    rows = []
+    for block in range(start // 4096, (start + count - 1) // 4096 + 1):
+        values = np.random.default_rng([seed, block]).standard_normal((4096, width),
+                                                                      np.float32)
+        values *= 0.01
+        rows.append(values)
+    offset = start - start // 4096 * 4096
+    return np.concatenate(rows)[offset:offset + count]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("block_rows", [None, 4096, 1000, 7])
+def test_initial_centers_are_todays_whatever_the_blocks_and_world_size(dtype, block_rows):
+    classes, width = 10_000, 8
+    expected = old_initial_centers(3, 0, classes, width).astype(dtype)
+    for world in (1, 3):
+        shards = [ClassCenters(shard_of(classes, r, world), width, SGD(), ctx=mx.cpu(),
+                               dtype=dtype, seed=3, rank=r, block_rows=block_rows)
+                  for r in range(world)]
+        weight = np.concatenate([s.state_dict()["weight"] for s in shards])
+        assert weight.tobytes() == expected.tobytes(), (world, block_rows)
+    if block_rows == 7:
+        assert len(shards[0].blocks) == 477  # 3334 rows in blocks of 7
+
+
+def blocked_and_whole(optimizer, dtype, lazy):
+    """The same shard twice: in blocks of 7 rows, and in one block."""
+    make = lambda block_rows: ClassCenters(  # noqa: E731
+        shard_of(150, 1, 3), 8, optimizer, ctx=mx.cpu(), dtype=dtype, seed=3, rank=1,
+        lazy=lazy, block_rows=block_rows)
+    return make(7), make(None)
+
+
+@pytest.mark.parametrize("optimizer", [SGD(), AdamW()], ids=["sgd", "adamw"])
+@pytest.mark.parametrize("dtype, lazy", [("float32", True), ("float16", True),
+                                         ("float32", False)])
+def test_blocks_gather_and_update_as_one_array_does(optimizer, dtype, lazy):
+    """Rows from several blocks (a block's first and last rows, blocks untouched in
+    between) are gathered, updated and stored back bit for bit as in one array, over
+    steps whose samples differ, lazily and densely."""
+    blocked, whole = blocked_and_whole(optimizer, dtype, lazy)
+    assert len(blocked.blocks) == 8 and len(whole.blocks) == 1
+    rng = np.random.default_rng(5)
+    for index in (np.array([0, 6, 7, 13, 30, 49]), np.array([3]), np.arange(0, 50, 2)):
+        grad = mx.nd.array(rng.normal(size=(len(index), 8)))
+        w_blocked, w_whole = blocked.sampled_weights(index), whole.sampled_weights(index)
+        assert w_blocked.asnumpy().tobytes() == w_whole.asnumpy().tobytes()
+        blocked.update(index, w_blocked, grad, 0.1)
+        whole.update(index, w_whole, grad, 0.1)
+        for name, value in whole.state_dict().items():
+            if name != "sampler":
+                assert blocked.state_dict()[name].tobytes() == value.tobytes(), name
+
+
+def test_blocked_state_round_trips_and_refuses_whole_shard_views():
+    blocked, _ = blocked_and_whole(AdamW(), "float16", True)
+    rng = np.random.default_rng(0)
+    state = {"weight": rng.normal(size=(50, 8)), "mean": rng.normal(size=(50, 8)),
+             "var": rng.random((50, 8)), "steps": rng.integers(0, 9, (50, 1))}
+    blocked.load_state_dict(state)
+    again = blocked.state_dict()
+    assert again["weight"].tobytes() == state["weight"].astype(np.float16).tobytes()
+    assert again["var"].tobytes() == state["var"].astype(np.float32).tobytes()
+    with pytest.raises(ValueError, match="stored in 8 blocks of 7 rows"):
+        _ = blocked.weight
+    with pytest.raises(ValueError, match="more than one MXNet array holds"):
+        blocked.sampled_weights(None)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_the_gpu_copy_path_of_the_initial_centers_writes_the_same_rows(dtype, monkeypatch):
+    """A GPU's blocks are filled from host chunks copied in order (no host view of
+    device memory); the rows are the in-place path's, across blocks and chunks."""
+    from partial_fc_mx import centers as module
+
+    shard, width = shard_of(30_000, 1, 2), 8  # rows 15000..29999: partial random blocks
+    sizes = [4000, 9000, 2000]
+    monkeypatch.setattr(module, "HOST_CHUNK_ELEMENTS", 4096 * width)  # a chunk per block
+    fill_initial_centers = module.fill_initial_centers
+    filled = {}
+    for in_place in (True, False):
+        blocks = [mx.nd.empty((n, width), dtype=dtype) for n in sizes]
+        fill_initial_centers(blocks, 3, shard, in_place=in_place)
+        filled[in_place] = np.concatenate([b.asnumpy() for b in blocks])
+    expected = old_initial_centers(3, shard.start, shard.count, width).astype(dtype)
+    assert filled[True].tobytes() == filled[False].tobytes() == expected.tobytes()

@@ -378,3 +378,25 @@ def test_kill_9_during_saves_always_leaves_a_checkpoint_that_verifies_and_resume
         assert logged(work)["steps"][-1]["step"] == checkpoint.step_of(saved[-1]) + 2
         assert not list((work / "checkpoints").glob(".step_*")), "a stale partial save is left"
     print(f"{cut_off} of {CRASH_LOOPS} kills cut a save off before its rename")
+
+
+def test_center_blocks_are_saved_as_one_npy_of_their_rows(tmp_path):
+    """A shard stored in blocks is written as np.save writes the joined rows (a
+    resume at any world size reads it as before), a part at a time."""
+    import io
+
+    import mxnet as mx
+
+    from partial_fc_mx.checkpoint import JoinedRows, save_rows
+
+    rng = np.random.default_rng(0)
+    whole = rng.normal(size=(23, 5)).astype(np.float16)
+    blocks = [mx.nd.array(whole[a:b], dtype="float16") for a, b in ((0, 7), (7, 14), (14, 23))]
+    written, expected = io.BytesIO(), io.BytesIO()
+    save_rows(written, blocks)
+    np.save(expected, whole)
+    assert written.getvalue() == expected.getvalue()
+    joined = JoinedRows([whole[:4], whole[4:9], whole[9:]])
+    assert joined.shape == (23, 5)
+    for rows in (slice(0, 23), slice(3, 12), slice(9, 9), slice(20, 40)):
+        assert joined[rows].tobytes() == whole[rows].tobytes(), rows

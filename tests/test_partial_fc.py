@@ -60,6 +60,9 @@ def assert_every_rank_passed(result, world: int, case: str):
     ("mpirun", 2, "nan-center"),      # a NaN center makes the loss NaN on every rank
     ("python", 1, "loss-scale"),      # the fp16 loss scale is applied before the cast
     ("mpirun", 2, "loss-scale"),
+    ("mpirun", 3, "blocks-sampled"),  # shards in blocks of 11 rows (past one MXNet array)
+    ("horovodrun", 2, "blocks-adamw-fp16-sampled"),
+    ("mpirun", 2, "blocks-dense-sampled"),
 ])
 def test_matches_the_full_softmax_reference(launcher, world, case):
     assert_every_rank_passed(launch(launcher, world, case), world, case)

@@ -86,16 +86,18 @@ def test_resumed_run_repeats_the_uninterrupted_losses(tmp_path, synthetic, cente
     assert [b[s] for s in range(5, 11)] == [a[s] for s in range(5, 11)]
 
 
-@pytest.mark.parametrize("before, after, optimizer", [
-    (2, 1, "sgd"), (1, 2, "sgd"), (2, 3, "sgd"), (3, 2, "adamw")])
-def test_resharding_keeps_the_center_matrix(tmp_path, synthetic, before, after, optimizer):
+@pytest.mark.parametrize("before, after, optimizer, blocks", [
+    (2, 1, "sgd", []), (1, 2, "sgd", []), (2, 3, "sgd", ["7"]), (3, 2, "adamw", ["9"])])
+def test_resharding_keeps_the_center_matrix(tmp_path, synthetic, before, after, optimizer,
+                                            blocks):
+    """`blocks`: the new ranks store their rows in blocks of that many rows."""
     config = config_file(tmp_path, synthetic, max_steps=2, save_every=2,
                          center_optimizer=optimizer)
     args = train_args(config, tmp_path / "work")
     made = mpirun(before, args, timeout=600) if before > 1 else run(args, timeout=600)
     assert made.returncode == 0, made.stdout[-3000:]
     checkpoint = tmp_path / "work" / "checkpoints" / "step_000002"
-    worker = [sys.executable, "tests/reshard_worker.py", str(checkpoint)]
+    worker = [sys.executable, "tests/reshard_worker.py", str(checkpoint), *blocks]
     result = horovodrun_gloo(after, worker, timeout=300) if after > 1 else run(worker)
     assert result.returncode == 0, result.stdout[-3000:]
     states = {"sgd": "mom", "adamw": "mean steps var"}[optimizer]

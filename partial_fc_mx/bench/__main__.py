@@ -1,20 +1,54 @@
-"""`python -m partial_fc_mx.bench COMMAND ...` (see --help)."""
+"""`python -m partial_fc_mx.bench COMMAND ...` (see --help).
+
+Only the chosen benchmark's module is imported: each pulls in what it measures
+(MXNet, Horovod, OpenCV, onnx, ...), and a library that cannot load on a machine
+(an OpenCV or onnx built for another numpy crashed every rank of `pfc`, which uses
+neither) must fail only the benchmark that uses it. --help lists every benchmark
+from the table below without importing any.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import sys
 
-from . import data, ijb, ops, pfc, save, train
+BENCHMARKS = {
+    "pfc": "one Partial FC step: time, GEMM speed, memory",
+    "train": "the whole training step: Partial FC against a data-parallel FC",
+    "ops": "the operators PartialFC chose, next to alternatives",
+    "data": "decode throughput against mx.io.ImageRecordIter",
+    "save": "the cost of durable, checksummed checkpoint files",
+    "ijb": "IJB-C-sized metadata: time and peak memory",
+    "index": "record index open: seconds and private memory per rank",
+}
+"""Command -> summary; the command is also the module's name in this package, whose
+add_arguments(parser) defines its options and run(args) runs it."""
 
-BENCHMARKS = (pfc, train, ops, data, save, ijb)
+
+def chosen_command(argv: list[str]) -> str | None:
+    """The benchmark named on the command line (its first word that is no option)."""
+    return next((word for word in argv if not word.startswith("-")), None)
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    """Every benchmark listed; only the chosen one's module imported and its options
+    defined."""
+    parser = argparse.ArgumentParser(prog="python -m partial_fc_mx.bench")
+    commands = parser.add_subparsers(dest="command", required=True)
+    chosen = chosen_command(argv)
+    for name, summary in BENCHMARKS.items():
+        command = commands.add_parser(name, help=summary, description=summary)
+        if name == chosen:
+            module = importlib.import_module(f"{__package__}.{name}")
+            module.add_arguments(command)
+            command.set_defaults(func=module.run)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m partial_fc_mx.bench")
-    commands = parser.add_subparsers(dest="command", required=True)
-    for benchmark in BENCHMARKS:
-        benchmark.add_command(commands)
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     args.func(args)
 
 

@@ -20,15 +20,13 @@ from ..data.transforms import FACE_SIZE
 REPO = Path(__file__).resolve().parents[2]
 
 
-def add_command(commands) -> None:
-    data = commands.add_parser("data", help="decode throughput against mx.io.ImageRecordIter")
-    data.set_defaults(func=run)
-    data.add_argument("--workers", type=int, default=2)
-    data.add_argument("--batch-size", type=int, default=64)
-    data.add_argument("--classes", type=int, default=200)
-    data.add_argument("--per-class", type=int, default=20)
-    data.add_argument("--step-ms", type=float, default=100.0,
-                      help="simulated step time for the data-wait figure")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--classes", type=int, default=200)
+    parser.add_argument("--per-class", type=int, default=20)
+    parser.add_argument("--step-ms", type=float, default=100.0,
+                        help="simulated step time for the data-wait figure")
 
 
 def images_per_second(batches, count: int, batch_size: int) -> float:

@@ -25,13 +25,11 @@ IJBC = {"pictures": 469_375, "templates": 23_124, "pairs": 15_658_489}
 """The sizes of IJB-C's 1:1 protocol."""
 
 
-def add_command(commands) -> None:
-    bench = commands.add_parser("ijb", help="IJB-C-sized metadata: time and peak memory")
-    bench.set_defaults(func=run)
-    bench.add_argument("--pictures", type=int, default=IJBC["pictures"])
-    bench.add_argument("--templates", type=int, default=IJBC["templates"])
-    bench.add_argument("--pairs", type=int, default=IJBC["pairs"])
-    bench.add_argument("--embedding-size", type=int, default=512)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pictures", type=int, default=IJBC["pictures"])
+    parser.add_argument("--templates", type=int, default=IJBC["templates"])
+    parser.add_argument("--pairs", type=int, default=IJBC["pairs"])
+    parser.add_argument("--embedding-size", type=int, default=512)
 
 
 def write_metadata(root: Path, pictures: int, templates: int, pairs: int) -> ijb.Layout:

@@ -10,12 +10,10 @@ import numpy as np
 from .timing import median_ms
 
 
-def add_command(commands) -> None:
-    ops = commands.add_parser("ops", help="the operators PartialFC chose, next to alternatives")
-    ops.set_defaults(func=run)
-    ops.add_argument("--batch-size", type=int, default=256, help="rows of the gathered batch")
-    ops.add_argument("--num-sample", type=int, default=50000)
-    ops.add_argument("--embedding-size", type=int, default=512)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch-size", type=int, default=256, help="rows of the gathered batch")
+    parser.add_argument("--num-sample", type=int, default=50000)
+    parser.add_argument("--embedding-size", type=int, default=512)
 
 
 def run(args: argparse.Namespace) -> None:

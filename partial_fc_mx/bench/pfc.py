@@ -11,9 +11,16 @@ centers.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
+import os
+import platform
+import socket
 import statistics
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import mxnet as mx
 import numpy as np
@@ -25,20 +32,18 @@ from ..partial_fc import PartialFC
 from .timing import MiB, PeakRSS, PhaseTimer, give_back_freed_memory, synchronized_seconds
 
 
-def add_command(commands) -> None:
-    pfc = commands.add_parser("pfc", help="one Partial FC step: time, GEMM speed, memory")
-    pfc.set_defaults(func=run)
-    pfc.add_argument("--classes", type=int, nargs="+", default=[1_000_000])
-    pfc.add_argument("--sample-rate", type=float, default=0.1)
-    pfc.add_argument("--num-sample", type=int, default=0,
-                     help="sampled centers per rank, overriding --sample-rate (to compare "
-                          "class counts at the same sample)")
-    pfc.add_argument("--batch-size", type=int, default=128, help="per rank")
-    pfc.add_argument("--embedding-size", type=int, default=512)
-    pfc.add_argument("--steps", type=int, default=5)
-    pfc.add_argument("--warmup", type=int, default=2)
-    pfc.add_argument("--fp16-centers", action="store_true",
-                     help="float16 centers (twice the classes in the same memory)")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--classes", type=int, nargs="+", default=[1_000_000])
+    parser.add_argument("--sample-rate", type=float, default=0.1)
+    parser.add_argument("--num-sample", type=int, default=0,
+                        help="sampled centers per rank, overriding --sample-rate (to compare "
+                             "class counts at the same sample)")
+    parser.add_argument("--batch-size", type=int, default=128, help="per rank")
+    parser.add_argument("--embedding-size", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--fp16-centers", action="store_true",
+                        help="float16 centers (twice the classes in the same memory)")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -48,50 +53,103 @@ def run(args: argparse.Namespace) -> None:
     for num_classes in sorted(args.classes):
         results.append(bench_config(world, ctx, num_classes, args))
         give_back_freed_memory()  # RSS above the baseline is this configuration's own
-    alone = world.local_rank == 0
-    peak = numpy_sgemm_gflops(args.batch_size * world.size, results[-1]["sampled"],
-                              args.embedding_size, alone)
-    bandwidth = memory_bandwidth_gbs(alone)
-    everyone = dist.allgather_object((results, peak, world.local_size, bandwidth),
-                                     name="bench.results")
+    threads = rank_threads()
+    numpy_rate = numpy_sgemm_gflops(args.batch_size * world.size, results[-1]["sampled"],
+                                    args.embedding_size, threads)
+    mine = {"results": results, "host": socket.gethostname(), "threads": threads,
+            "numpy_gflops": numpy_rate, "bandwidth_gbs": memory_bandwidth_gbs(threads)}
+    everyone = dist.allgather_object(mine, name="bench.results")
     if world.is_main:
         print_report(args, world, everyone)
 
 
-def numpy_sgemm_gflops(rows: int, cols: int, depth: int, alone: bool) -> float:
-    """The host's float32 GEMM speed on the forward GEMM's shape (numpy, all cores)."""
+def rank_threads() -> int:
+    """The threads one rank's MXNet operators compute with, as MXNet 1.9 chooses them
+    (src/engine/openmp.cc): MXNET_OMP_MAX_THREADS, else OMP_NUM_THREADS, else the cores
+    the process may run on, halved on x86 (MXNet assumes two hyper-threads a core). On
+    a 2-core host that is 1 thread: FullyConnected took 160 ms as with
+    OMP_NUM_THREADS=1, 100 ms with OMP_NUM_THREADS=2."""
+    for name in ("MXNET_OMP_MAX_THREADS", "OMP_NUM_THREADS"):
+        first = os.environ.get(name, "").split(",")[0].strip()
+        if first.isdigit() and int(first) > 0:
+            return int(first)
+    cores = len(os.sched_getaffinity(0))
+    x86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+    return max(1, cores // 2 if x86 else cores)
+
+
+def numpy_blas_threads(count: int | None = None) -> int | None:
+    """The threads of numpy's own OpenBLAS (not MXNet's), set to `count` first when
+    given; None where it cannot be found (a numpy on another BLAS). Left alone, OpenBLAS
+    picks its count at load time (OPENBLAS_NUM_THREADS, else the cores the process may
+    run on), which need not be a rank's: a comparison with numpy then compares thread
+    counts, not GEMM code. (What threadpoolctl does, without the dependency.)"""
+    for library in numpy_openblas_paths():
+        blas = ctypes.CDLL(library)
+        for suffix in ("64_", "", "_64"):
+            for prefix in ("openblas", "scipy_openblas"):
+                getter = getattr(blas, f"{prefix}_get_num_threads{suffix}", None)
+                setter = getattr(blas, f"{prefix}_set_num_threads{suffix}", None)
+                if getter is not None and setter is not None:
+                    if count is not None:
+                        setter(ctypes.c_int(count))
+                    return int(getter())
+    return None
+
+
+def numpy_openblas_paths() -> list[str]:
+    """Loaded OpenBLAS libraries that came with numpy (numpy.libs/ in its wheels)."""
+    home = str(Path(np.__file__).resolve().parent)  # a prefix of numpy/ and numpy.libs/
+    with contextlib.suppress(OSError), open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "openblas" in line}
+        return sorted(path for path in paths if path.startswith(home))
+    return []
+
+
+def numpy_sgemm_gflops(rows: int, cols: int, depth: int, threads: int) -> float | None:
+    """numpy's float32 GEMM speed on the forward GEMM's shape with one rank's thread
+    count, every rank at once (as their GEMMs run in a step): the reference the
+    rank's own GEMMs are compared with. None where numpy's threads cannot be set (every
+    rank still takes part in the timing's barriers)."""
+    before = numpy_blas_threads()
+    usable = before is not None and numpy_blas_threads(threads) == threads
     a = b = None
-    if alone:
+    if usable:
         a = np.random.default_rng(0).standard_normal((rows, depth), dtype=np.float32)
         b = np.random.default_rng(1).standard_normal((cols, depth), dtype=np.float32)
-    seconds = host_median_seconds(alone, lambda: a @ b.T)
-    return 2 * rows * cols * depth / seconds / 1e9 if alone else 0.0
-
-
-def memory_bandwidth_gbs(alone: bool, megabytes: int = 512) -> float:
-    """The host's memory bandwidth (GB/s read + written) copying a large float32 array
-    with numpy."""
-    source = target = None
-    if alone:
-        source = np.ones(megabytes * 2**20 // 4, np.float32)
-        target = np.empty_like(source)
-    seconds = host_median_seconds(alone, lambda: np.copyto(target, source))
-    return 2 * megabytes * 2**20 / seconds / 1e9 if alone else 0.0
-
-
-def host_median_seconds(alone: bool, work: Callable[[], object], repeats: int = 5) -> float:
-    """Median seconds of `work`, timed by the first rank of each host only (`alone`)
-    while the others wait, so the figure is the whole host's, to compare with the sum
-    over its ranks. Every rank reaches the barrier, even when the timing fails."""
-    times = []
     try:
-        for _ in range(repeats if alone else 0):
-            start = time.perf_counter()
-            work()
-            times.append(time.perf_counter() - start)
+        seconds = all_ranks_median_seconds(lambda: a @ b.T if usable else None)
     finally:
+        if before is not None:
+            numpy_blas_threads(before)
+    return 2 * rows * cols * depth / seconds / 1e9 if usable else None
+
+
+def memory_bandwidth_gbs(threads: int, megabytes: int = 256) -> float:
+    """This rank's memory bandwidth (GB/s read + written) while every rank of the job
+    copies at once, each with its own thread count (numpy releases the GIL): its
+    share of its host's bandwidth, as in a step where every rank streams its logits
+    and rows at the same time."""
+    source = np.ones(megabytes * 2**20 // 4, np.float32)
+    target = np.empty_like(source)
+    parts = [(target[part], source[part]) for part in
+             (slice(i * len(source) // threads, (i + 1) * len(source) // threads)
+              for i in range(threads))]
+    with ThreadPoolExecutor(threads) as pool:
+        seconds = all_ranks_median_seconds(
+            lambda: list(pool.map(lambda part: np.copyto(*part), parts)))
+    return 2 * megabytes * 2**20 / seconds / 1e9
+
+
+def all_ranks_median_seconds(work: Callable[[], object], repeats: int = 5) -> float:
+    """Median seconds of `work`, every rank starting each repeat together."""
+    times = []
+    for _ in range(repeats):
         dist.barrier("bench")
-    return statistics.median(times) if alone else 0.0
+        start = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def minimal_traffic(pfc: PartialFC, global_batch: int) -> int:
@@ -104,8 +162,8 @@ def minimal_traffic(pfc: PartialFC, global_batch: int) -> int:
 
 def row_bytes(pfc: PartialFC) -> int:
     """One center's row with its optimizer states, in their stored dtypes."""
-    return sum(np.dtype(array.dtype).itemsize * array.shape[1]
-               for array in pfc.centers.arrays().values())
+    return sum(np.dtype(blocks[0].dtype).itemsize * blocks[0].shape[1]
+               for blocks in pfc.centers.arrays().values())
 
 
 def bench_config(world: dist.World, ctx: mx.Context, num_classes: int, args) -> dict:
@@ -159,26 +217,38 @@ def run_steps(pfc: PartialFC, x: mx.nd.NDArray, labels: np.ndarray, count: int) 
     return [synchronized_seconds(step) for _ in range(count)]
 
 
-def print_report(args, world: dist.World, everyone: list) -> None:
+def print_report(args, world: dist.World, everyone: list[dict]) -> None:
+    """Per rank: its step, its floor at its own bandwidth, its memory and its GEMM speed
+    against numpy's under the same conditions; then per host, the sums."""
     centers = "float16" if args.fp16_centers else "float32"
     print(f"Partial FC step: {world.size} ranks, batch {args.batch_size}/rank, "
           f"D={args.embedding_size}, {centers} centers, device {dist.device(0)}, "
           f"MXNet {mx.__version__}")
     print("step = median wall ms of forward + backward + center update; the split comes "
-          "from separate steps synchronized at every phase")
-    bandwidth, local_size = everyone[0][3], everyone[0][2]
-    for rank, (results, *_host) in enumerate(everyone):
+          "from separate steps synchronized at every phase. Bandwidth and numpy's sgemm are "
+          "measured on every rank at once, each with its own MXNet thread count (T)")
+    last = everyone[0]["results"][-1]
+    shape = (f"{args.batch_size * world.size} x {args.embedding_size} by "
+             f"{last['sampled']:,} x {args.embedding_size}")
+    for rank, mine in enumerate(everyone):
+        results, bandwidth, numpy_rate = (mine["results"], mine["bandwidth_gbs"],
+                                          mine["numpy_gflops"])
         for r in results:
             phases = r["phases_ms"]
             compute = ", ".join(f"{k} {v:.1f}" for k, v in phases.items() if k != "communication")
             print(f"rank {rank}  C={r['classes']:>9,}  sampled {r['sampled']:>7,}  "
                   f"step {r['step_ms']:7.1f} ms  = compute ({compute}) + communication "
                   f"{phases['communication']:.1f}")
-            floor_ms = 1e3 * r["traffic_bytes"] / (bandwidth * 1e9 / local_size)
+            floor_ms = 1e3 * r["traffic_bytes"] / (bandwidth * 1e9)
             print(f"        step = {r['step_ms'] / phases['gemm']:.2f}x its GEMM phase "
                   f"({phases['gemm']:.1f} ms); memory-traffic floor {floor_ms:.2f} ms "
-                  f"({r['traffic_bytes'] / 1e6:,.1f} MB at {bandwidth / local_size:.1f} GB/s, "
-                  f"host 0's copy bandwidth {bandwidth:.1f} GB/s shared by {local_size} ranks)")
+                  f"({r['traffic_bytes'] / 1e6:,.1f} MB at {bandwidth:.1f} GB/s, this rank's "
+                  f"copy bandwidth with T={mine['threads']} while every rank copied)")
+            gemm = f"        GEMMs {r['gemm_gflops']:.1f} GFLOP/s"
+            if numpy_rate:
+                gemm += (f" = {100 * r['gemm_gflops'] / numpy_rate:.0f}% of numpy sgemm "
+                         f"{numpy_rate:.1f} GFLOP/s ({shape}, T={mine['threads']})")
+            print(gemm)
             print(f"        RSS +{r['rss_mib']:,.0f} MiB = {r['rss_mib'] / r['theory_mib']:.2f}x "
                   f"theory {r['theory_mib']:,.0f} MiB (above the {r['baseline_mib']:,.0f} MiB "
                   "of a process with MXNet and Horovod loaded)")
@@ -188,10 +258,26 @@ def print_report(args, world: dist.World, everyone: list) -> None:
             print(f"rank {rank}  step time C={results[-1]['classes']:,} / "
                   f"C={results[0]['classes']:,} at the same sample size: "
                   f"{results[-1]['step_ms'] / results[0]['step_ms']:.3f}")
-    # ranks of one host run their GEMMs at the same time: compare their sum to the host
-    peak = everyone[0][1]
-    for i, r in enumerate(everyone[0][0]):
-        host_rate = sum(everyone[k][0][i]["gemm_gflops"] for k in range(local_size))
-        print(f"GEMMs C={r['classes']:,}: {host_rate:.1f} GFLOP/s summed over the "
-              f"{local_size} ranks of host 0 = {100 * host_rate / peak:.0f}% of numpy "
-              f"sgemm {peak:.1f} GFLOP/s measured alone on that host")
+    if any(mine["numpy_gflops"] is None for mine in everyone):
+        print("numpy sgemm not compared: numpy's BLAS thread count cannot be set here (no "
+              "OpenBLAS of numpy's own is loaded), so no measurement with a rank's threads")
+    for host, ranks in ranks_by_host(everyone).items():
+        threads = sorted({everyone[rank]["threads"] for rank in ranks})
+        for i, r in enumerate(everyone[ranks[0]]["results"]):
+            host_rate = sum(everyone[rank]["results"][i]["gemm_gflops"] for rank in ranks)
+            line = (f"GEMMs C={r['classes']:,}: {host_rate:.1f} GFLOP/s summed over the "
+                    f"{len(ranks)} ranks of {host}")
+            if all(everyone[rank]["numpy_gflops"] for rank in ranks):
+                reference = sum(everyone[rank]["numpy_gflops"] for rank in ranks)
+                line += (f" = {100 * host_rate / reference:.0f}% of numpy sgemm's "
+                         f"{reference:.1f} GFLOP/s summed over the same ranks (T="
+                         f"{'/'.join(map(str, threads))} each, all at once)")
+            print(line)
+
+
+def ranks_by_host(everyone: list[dict]) -> dict[str, list[int]]:
+    """{host name: its ranks}, in the order of their first rank."""
+    hosts: dict[str, list[int]] = {}
+    for rank, mine in enumerate(everyone):
+        hosts.setdefault(mine["host"], []).append(rank)
+    return hosts

@@ -14,13 +14,11 @@ from .. import durable
 from .timing import median_ms
 
 
-def add_command(commands) -> None:
-    save = commands.add_parser("save", help="the cost of durable, checksummed checkpoint files")
-    save.set_defaults(func=run)
-    save.add_argument("--rows", type=int, default=250_000)
-    save.add_argument("--embedding-size", type=int, default=512)
-    save.add_argument("--repeats", type=int, default=3)
-    save.add_argument("--dir", default=None, help="where to write (default: the temp dir)")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rows", type=int, default=250_000)
+    parser.add_argument("--embedding-size", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="where to write (default: the temp dir)")
 
 
 def run(args: argparse.Namespace) -> None:

@@ -40,26 +40,23 @@ from .timing import PeakRSS, PhaseTimer, give_back_freed_memory, synchronized_se
 GiB = 2**30
 
 
-def add_command(commands) -> None:
-    bench = commands.add_parser("train", help="the whole training step: Partial FC against "
-                                              "a data-parallel FC")
-    bench.set_defaults(func=run)
-    bench.add_argument("--networks", nargs="+", default=["r18", "r50"])
-    bench.add_argument("--classes", type=int, nargs="+", default=[100_000, 1_000_000, 4_000_000])
-    bench.add_argument("--batch-size", type=int, nargs="+", default=[64], help="per rank")
-    bench.add_argument("--embedding-size", type=int, default=512)
-    bench.add_argument("--sample-rate", type=float, default=0.1)
-    bench.add_argument("--heads", nargs="+", choices=["pfc", "fc"], default=["pfc", "fc"],
-                       help="pfc: Partial FC; fc: data-parallel FC (where it fits)")
-    bench.add_argument("--fp16-centers", action="store_true",
-                       help="Partial FC's centers and momentum in float16")
-    bench.add_argument("--fp16", action="store_true",
-                       help="the backbone in 16 bits (bfloat16 on a CPU), as config fp16")
-    bench.add_argument("--steps", type=int, default=3)
-    bench.add_argument("--warmup", type=int, default=1)
-    bench.add_argument("--output", default=str(Path(tempfile.gettempdir()) /
-                                               "partial_fc_mx-bench-train"),
-                       help="work directory of the runs (shared by all hosts)")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--networks", nargs="+", default=["r18", "r50"])
+    parser.add_argument("--classes", type=int, nargs="+", default=[100_000, 1_000_000, 4_000_000])
+    parser.add_argument("--batch-size", type=int, nargs="+", default=[64], help="per rank")
+    parser.add_argument("--embedding-size", type=int, default=512)
+    parser.add_argument("--sample-rate", type=float, default=0.1)
+    parser.add_argument("--heads", nargs="+", choices=["pfc", "fc"], default=["pfc", "fc"],
+                        help="pfc: Partial FC; fc: data-parallel FC (where it fits)")
+    parser.add_argument("--fp16-centers", action="store_true",
+                        help="Partial FC's centers and momentum in float16")
+    parser.add_argument("--fp16", action="store_true",
+                        help="the backbone in 16 bits (bfloat16 on a CPU), as config fp16")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--output", default=str(Path(tempfile.gettempdir()) /
+                                                "partial_fc_mx-bench-train"),
+                        help="work directory of the runs (shared by all hosts)")
 
 
 class DataParallelFC:

@@ -3,8 +3,9 @@
 `center_optimizer = "adamw"` in a config loads center_optimizers/adamw.py and calls
 its build(). An optimizer declares the states it keeps, each an array with
 one row per center (`states`), and updates the rows one step sampled (`update`);
-ClassCenters (centers.py) owns the arrays, checkpoints save every state under its
-own name and re-sharding cuts them all alike. Adding an optimizer is one module
+ClassCenters (centers.py) owns the arrays, in blocks (CenterBlock: what `update` is
+given), checkpoints save every state under its own name and re-sharding cuts them
+all alike. Adding an optimizer is one module
 here with its class and build(), its test, and the config line.
 """
 
@@ -18,7 +19,7 @@ from .. import plugins
 if TYPE_CHECKING:  # no MXNet for config validation
     import mxnet as mx
 
-    from ..centers import ClassCenters
+    from ..centers import CenterBlock
 
 
 class CenterOptimizer(Protocol):
@@ -27,7 +28,7 @@ class CenterOptimizer(Protocol):
     def states(self, embedding_size: int, center_dtype: str) -> dict[str, tuple[int, str]]:
         """{state name: (columns, dtype)}, each state one row per center, zero at start."""
 
-    def update(self, centers: ClassCenters, index: mx.nd.NDArray | None, w: mx.nd.NDArray,
+    def update(self, centers: CenterBlock, index: mx.nd.NDArray | None, w: mx.nd.NDArray,
                grad: mx.nd.NDArray, lr: float) -> None:
         """Update the rows `index` of centers.weight and centers.states (None: all rows);
         `w` holds their float32 values, `grad` their gradient. centers.apply runs a

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .recordio import RecordDataset, valid_class_ids
+from .recordio import RecordDataset, float32_candidates, valid_class_ids
 from .transforms import decode_face, decode_in_workers
 
 
@@ -23,6 +23,7 @@ class InspectReport:
     per_class: tuple = (0, 0, 0)
     """Images per class: min, median, max."""
     has_header: bool = False
+    header: str = ""
     resized: int = 0
     corrupt: list = field(default_factory=list)
     problems: list = field(default_factory=list)
@@ -30,7 +31,8 @@ class InspectReport:
 
 def inspect_dataset(directory: str, scan: bool = False, workers: int = 4) -> InspectReport:
     dataset = RecordDataset(directory)
-    report = InspectReport(images=len(dataset), has_header=dataset.has_header)
+    report = InspectReport(images=len(dataset), has_header=dataset.has_header,
+                           header=header_summary(dataset))
 
     def examine(record_id) -> tuple:
         """(label, decoded, resized) of one record: the file is read once per record."""
@@ -70,8 +72,8 @@ def inspect_dataset(directory: str, scan: bool = False, workers: int = 4) -> Ins
 def identity_record_problems(dataset: RecordDataset, labels: np.ndarray) -> list[str]:
     """The per-class records after the images must cover the images of one label each."""
     records = dataset.records
-    header = records.unpack(0)[0]
-    first, end = int(header.label[0]), int(header.label[1])
+    first = len(dataset) + 1
+    end = identity_records_end(dataset)
     problems = []
     for record_id in range(first, end):
         if record_id not in records.offsets:
@@ -85,12 +87,31 @@ def identity_record_problems(dataset: RecordDataset, labels: np.ndarray) -> list
     return problems
 
 
+def identity_records_end(dataset: RecordDataset) -> int:
+    """One past the last identity record, as header record 0 states it (a float32:
+    past 2^24 the index's last record, when the rounding allows it)."""
+    candidates = float32_candidates(float(dataset.records.unpack(0)[0].label[1]))
+    last = int(dataset.records.offsets.keys[-1]) + 1
+    return last if last in candidates else candidates[0]
+
+
+def header_summary(dataset: RecordDataset) -> str:
+    """Whether there is a header, and where the image count came from."""
+    if not dataset.has_header:
+        return "no (im2rec)"
+    if dataset.header_images == len(dataset):
+        return "yes (insightface layout)"
+    return (f"yes (insightface layout); {len(dataset):,} images counted in the index: the "
+            f"header's float32 stores {dataset.header_images:,.0f}, which is that count "
+            "rounded to float32 (exact only below 2^24 = 16,777,216)")
+
+
 def format_report(directory: str, report: InspectReport) -> str:
     lo, median, hi = report.per_class
     lines = [
         f"{directory}: {report.images} images, {report.classes} classes, images per class "
         f"min {lo} / median {median} / max {hi}",
-        f"header record: {'yes (insightface layout)' if report.has_header else 'no (im2rec)'}",
+        f"header record: {report.header}",
     ]
     lines += [f"PROBLEM: {p}" for p in report.problems]
     lines.append("OK" if not report.problems else f"{len(report.problems)} problem(s)")

@@ -99,7 +99,7 @@ class FaceLoader:
 
     def _record_ids(self, epoch: int, positions: np.ndarray) -> np.ndarray:
         order = np.random.default_rng([self.seed, epoch]).permutation(self.num_images)
-        return self.dataset.image_ids[order[positions]]
+        return self.dataset.record_ids(order[positions])
 
     def _mirror_flags(self, epoch: int, positions: np.ndarray) -> np.ndarray:
         if not self.mirror:

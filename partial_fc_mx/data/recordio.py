@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import re
 import struct
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import mxnet as mx
 import numpy as np
 
 from . import DataError
+from .record_index import open_index
 
 MAGIC = 0xCED7230A
 _MAGIC_BYTES = struct.pack("<I", MAGIC)
@@ -51,7 +51,7 @@ class RecordFile:
             if not path.is_file():
                 raise DataError(f"{path} is missing: the {what} file of the dataset. Pack the "
                                 "data with `python -m partial_fc_mx pack` or fix the path")
-        self.offsets, self.index_record = read_index(self.idx_path)
+        self.offsets = open_index(self.idx_path)
         self.size = self.rec_path.stat().st_size
         self._fd = os.open(self.rec_path, os.O_RDONLY)
 
@@ -62,9 +62,10 @@ class RecordFile:
 
     def read_bytes(self, record_id: int) -> bytes:
         """The payload of one record, rejoining the parts MXNet splits at magic words."""
-        if record_id not in self.offsets:
-            raise DataError(f"{self.idx_path} has no record {record_id}")
-        offset, parts = self.offsets[record_id], []
+        try:
+            offset, parts = self.offsets[record_id], []
+        except KeyError:
+            raise DataError(f"{self.idx_path} has no record {record_id}") from None
         while True:
             head = self._pread(8, offset, record_id)
             if len(head) < 8:
@@ -109,27 +110,13 @@ class RecordFile:
     def fingerprint(self) -> dict:
         """Record count and the index file's size and CRC-32: ranks whose copies of the
         dataset differ would yield different batch counts and hang in a collective."""
-        return {"records": len(self.offsets), **self.index_record, "rec_bytes": self.size}
+        return {"records": len(self.offsets), **self.offsets.fingerprint,
+                "rec_bytes": self.size}
 
     def _truncated(self, record_id: int, offset: int) -> DataError:
         return DataError(f"{self.rec_path} is truncated: record {record_id} at byte {offset} "
                          f"runs past the end of the file ({self.size} bytes). Copy the file "
                          "again or re-pack it")
-
-
-def read_index(path: Path) -> tuple[dict[int, int], dict]:
-    """{record id: byte offset}, and the file's {"bytes", "crc32"} from the same read
-    (the fingerprint ranks compare to find hosts whose copies differ)."""
-    offsets, crc, size = {}, 0, 0
-    with open(path, "rb") as lines:  # bytes: a damaged (binary) index is a DataError too
-        for number, line in enumerate(lines, 1):
-            crc, size = zlib.crc32(line, crc), size + len(line)
-            fields = line.split()
-            if len(fields) != 2 or not all(f.isdigit() for f in fields):
-                raise DataError(f"{path} line {number} is not 'record_id<TAB>offset': "
-                                f"{line.strip()[:60]!r}. Rebuild the index with the packer")
-            offsets[int(fields[0])] = int(fields[1])
-    return offsets, {"bytes": size, "crc32": crc}
 
 
 class RecordDataset:
@@ -142,29 +129,60 @@ class RecordDataset:
                             "the directory holding train.rec, train.idx and property")
         self.records = RecordFile(self.directory / "train.rec", self.directory / "train.idx")
         self.has_header = False
-        self.image_ids = self._image_ids()
-        if len(self.image_ids) == 0:
+        self.header_images: float | None = None
+        """The image count header record 0 states (a float32), when there is one."""
+        self.num_images = self._count_images()
+        if self.num_images == 0:
             raise DataError(f"{self.records.rec_path} holds no images; pack some first")
         self.num_classes = self._num_classes(num_classes)
 
     def __len__(self) -> int:
-        return len(self.image_ids)
+        return self.num_images
 
-    def _image_ids(self) -> np.ndarray:
-        keys = sorted(self.records.offsets)
-        if not keys:
-            return np.empty(0, np.int64)
-        header, payload = self.records.unpack(keys[0])
-        if keys[0] != 0 or header.flag == 0 or payload:
-            return np.array(keys, np.int64)  # no header record (im2rec)
+    @property
+    def image_ids(self) -> np.ndarray:
+        """Every image's record id, in record order (len(self) of them)."""
+        return self.record_ids(np.arange(self.num_images))
+
+    def record_ids(self, positions: np.ndarray) -> np.ndarray:
+        """The record ids of the images at `positions` (0 .. len(self) - 1): computed,
+        not looked up in a list of 42M ids kept by every rank."""
+        if self.has_header:
+            return np.asarray(positions, np.int64) + 1
+        return np.asarray(self.records.offsets.keys[positions])
+
+    def _count_images(self) -> int:
+        index = self.records.offsets
+        if len(index) == 0:
+            return 0
+        header, payload = self.records.unpack(int(index.keys[0]))
+        if index.keys[0] != 0 or header.flag == 0 or payload:
+            return len(index)  # no header record (im2rec): every record is an image
         self.has_header = True
-        end = int(header.label[0])
-        missing = [i for i in (1, end - 1) if end > 1 and i not in self.records.offsets]
-        if missing:
-            raise DataError(f"{self.records.rec_path}: header record 0 says images are records "
-                            f"1..{end - 1}, but {self.records.idx_path} lacks record "
-                            f"{missing[0]}. Rebuild the index or re-pack")
-        return np.arange(1, end, dtype=np.int64)
+        self.header_images = float(header.label[0]) - 1
+        return self._images_end(float(header.label[0])) - 1
+
+    def _images_end(self, stated: float) -> int:
+        """The first record id after the images, which the header states as a float32:
+        exact up to 2^24, rounded above (42,474,559 reads back as 42,474,560). Then
+        the index decides among the ids the rounding allows: the end is where the
+        records 1.. with no gap stop being images (absent, or an identity record)."""
+        records, index = self.records, self.records.offsets
+        candidates = float32_candidates(stated)
+        for end in candidates:
+            complete = end > 1 and index.count_between(1, end) == end - 1
+            if complete and (len(candidates) == 1 or self._is_image(end - 1)
+                             and not self._is_image(end)):
+                return end
+        missing = first_missing(index.keys, 1, candidates[-1])
+        within = f" (a float32: exact to +-{len(candidates) // 2})" if len(candidates) > 1 else ""
+        raise DataError(f"{records.rec_path}: header record 0 says images are records "
+                        f"1..{int(stated) - 1}{within}, but {records.idx_path} lacks record "
+                        f"{missing}. Rebuild the index or re-pack")
+
+    def _is_image(self, record_id: int) -> bool:
+        """A record with an image payload (identity records have none)."""
+        return record_id in self.records.offsets and bool(self.records.unpack(record_id)[1])
 
     def _num_classes(self, expected: int | None) -> int:
         """From `property`; it must agree with the config's num_classes when both exist."""
@@ -183,3 +201,19 @@ class RecordDataset:
             raise DataError(f"{path} says {found} classes but num_classes is {expected}; make "
                             "them agree (the property file comes from the packer)")
         return found
+
+
+def float32_candidates(stated: float) -> list[int]:
+    """The whole numbers that float32 stores as `stated`, in order: one below 2^24."""
+    value = np.float32(stated)
+    spread = int(np.spacing(value)) // 2 if value >= 2**24 else 0
+    return [n for n in range(int(value) - spread, int(value) + spread + 1)
+            if np.float32(n) == value]
+
+
+def first_missing(keys: np.ndarray, low: int, high: int) -> int:
+    """The smallest id in [low, high) not in the sorted, distinct `keys` (high if none)."""
+    start = int(np.searchsorted(keys, low))
+    found = keys[start:start + max(high - low, 0)]
+    gaps = np.flatnonzero(found != np.arange(low, low + len(found)))
+    return low + int(gaps[0]) if len(gaps) else low + len(found)

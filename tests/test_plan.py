@@ -1,0 +1,118 @@
+"""`plan`: the preflight's memory estimate, the trainer's refusals, the collectives of a
+step, and the fewest GPUs a run fits on."""
+
+import re
+import sys
+
+import mxnet as mx
+import pytest
+from conftest import run
+
+from partial_fc_mx.config import Config, ConfigError
+from partial_fc_mx.memory import estimate_run_memory
+from partial_fc_mx.plan import GiB, format_plan, make_plan
+
+
+def config(**changes) -> Config:
+    values = dict(network="tiny", num_classes=2_000_000, embedding_size=128,
+                  sample_rate=0.1, batch_size=16)
+    return Config(**{**values, **changes})
+
+
+@pytest.mark.parametrize("changes, device", [
+    ({}, "gpu"),
+    ({"fp16": True, "fp16_centers": True, "center_optimizer": "adamw"}, "gpu"),
+    ({"fp16": True, "optimizer": "adamw"}, "cpu"),
+])
+def test_the_plan_counts_the_memory_the_preflight_estimates(changes, device):
+    run_config = config(**changes)
+    room = {"gpu_memory": 80.0} if device == "gpu" else {"host_memory": 24.0}
+    plan = make_plan(run_config, 3, **room)
+    ctx = mx.gpu(0) if device == "gpu" else mx.cpu()
+    assert plan.memory == estimate_run_memory(run_config, 3, 0, ctx)
+    assert sum(plan.parts().values()) == plan.memory.total
+    assert all(size >= 0 for size in plan.parts().values()), plan.parts()
+    # 2,000,000 / 3 -> rank 0 holds 666,667 rows of 128 columns
+    row_bytes = 2 if changes.get("fp16_centers") else 4
+    assert plan.parts()["class centers"] == 666_667 * 128 * row_bytes
+    assert plan.available == (80 * GiB if device == "gpu" else 24 * GiB // 3)
+
+
+def test_the_fewest_gpus_fit_and_one_fewer_does_not():
+    run_config = config()
+    one = make_plan(run_config, 1, gpu_memory=0.6)
+    assert not one.fits  # 2M x 128 float32 centers and momentum are 1.9 GiB
+    plan = make_plan(run_config, None, gpu_memory=0.6)
+    k = plan.smallest
+    assert k is not None and k > 2
+    assert plan.world_size == k and plan.fits
+    assert make_plan(run_config, k, gpu_memory=0.6).fits
+    assert not make_plan(run_config, k - 1, gpu_memory=0.6).fits
+    assert make_plan(run_config, k - 1, gpu_memory=0.6).smallest == k
+
+
+def test_processes_sharing_a_host_each_get_their_share():
+    """Four processes on one host split its memory: the host needs four ranks' worth."""
+    need = make_plan(config(), 4, gpu_memory=80.0).memory.total
+    assert make_plan(config(), 4, host_memory=1.01 * 4 * need / GiB).fits
+    short = make_plan(config(), 4, host_memory=0.99 * 4 * need / GiB)
+    assert short.available < need and not short.fits
+
+
+def test_the_collectives_of_a_step_for_a_small_run():
+    plan = make_plan(config(batch_size=4, embedding_size=8), 2, gpu_memory=80.0)
+    n = 8  # the global batch
+    sizes = {c.name: (c.op, c.payload, c.sent(2)) for c in plan.collectives}
+    gradients = plan.memory.backbone.gradients
+    assert sizes == {
+        "labels and checks": ("allgather", n * 5 * 8, n * 5 * 8 // 2),
+        "embeddings": ("allgather", n * 8 * 4, n * 8 * 4 // 2),
+        "row max of the logits": ("allreduce", n * 4, n * 4),
+        "exp-sums and target logits": ("allreduce", n * 2 * 4, n * 2 * 4),
+        "embeddings' gradient": ("allreduce", n * 8 * 4, n * 8 * 4),
+        "backbone gradients": ("allreduce", gradients, gradients),
+        "stop flag": ("allreduce", 8, 8),
+    }
+    assert gradients == 4 * plan.parameters
+    # 2,000,000 / 2 rows, 10% sampled; 3 GEMMs of 2 x N x n x D
+    assert plan.sampled == 100_000
+    assert plan.gemm_flops == 3 * 2 * n * 100_000 * 8
+    assert plan.backbone_flops == 3 * 2 * 4 * plan.backbone_macs > 0
+
+
+def test_the_trainers_refusal_is_a_problem_whatever_the_memory():
+    """The N x n logits of one array past 2^31 elements: no world size helps."""
+    plan = make_plan(config(network="tiny", num_classes=20_000_000, sample_rate=1.0,
+                            batch_size=256), 8, gpu_memory=10_000.0)
+    assert not plan.fits
+    assert any("logits" in problem for problem in plan.problems), plan.problems
+    assert plan.smallest is None
+    assert "PROBLEM: " in format_plan(plan)
+
+
+@pytest.mark.parametrize("changes, room, world_size, expected", [
+    ({"num_classes": -5}, {"gpu_memory": 80.0}, 8, "num_classes must be > 0"),
+    ({}, {"gpu_memory": 80.0}, 0, "must be >= 1 (got 0)"),
+    ({}, {"gpu_memory": 0.0}, 8, "memory must be > 0"),
+    ({}, {"gpu_memory": 80.0, "host_memory": 24.0}, 8, "one of the two"),
+    ({}, {}, 8, "one of the two"),
+])
+def test_unreasonable_inputs_are_refused_with_the_reason(changes, room, world_size, expected):
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        make_plan(config(**changes), world_size, **room)
+
+
+def test_the_plan_command_prints_the_plan_and_says_whether_it_fits():
+    fits = run([sys.executable, "-m", "partial_fc_mx", "plan", "--network", "tiny",
+                "--classes", "2000000", "--embedding-size", "128", "--batch-size", "16",
+                "--sample-rate", "0.1", "--gpus", "2", "--gpu-memory", "80"], timeout=120)
+    assert fits.returncode == 0, fits.stdout[-3000:]
+    assert "on 2 GPU(s): it fits; the fewest GPU(s) it fits on: 1" in fits.stdout
+    assert "allreduce backbone gradients" in fits.stdout
+    refused = run([sys.executable, "-m", "partial_fc_mx", "plan", "--network", "tiny",
+                   "--classes", "-3", "--gpu-memory", "80"], timeout=120)
+    assert refused.returncode == 2
+    assert "error: invalid config: num_classes must be > 0 (got -3)" in refused.stdout
+    zero = run([sys.executable, "-m", "partial_fc_mx", "plan", "--gpus", "0",
+                "--gpu-memory", "80", "--classes", "1000"], timeout=120)
+    assert zero.returncode == 2 and "must be >= 1 (got 0)" in zero.stdout, zero.stdout

@@ -1,0 +1,165 @@
+"""train.idx parsed in numpy and cached: the same records as a line-by-line parse, a
+cache that is used only while it is this index's and intact, read-only datasets, and
+datasets past 2^24 images (whose header count float32 rounds)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from partial_fc_mx.data import DataError, record_index
+from partial_fc_mx.data.record_index import open_index, parse_index, parse_lines
+
+
+def write_index(path: Path, pairs) -> Path:
+    path.write_bytes("".join(f"{k}\t{o}\n" for k, o in pairs).encode())
+    return path
+
+
+def random_pairs(seed: int, count: int = 500) -> list[tuple[int, int]]:
+    """Shuffled ids with repeats, offsets of 1 to 15 digits."""
+    rng = np.random.default_rng(seed)
+    keys = rng.permutation(count * 2)[:count]
+    keys[::50] = keys[1::50]  # an id listed twice: the later line wins
+    offsets = rng.integers(0, 10 ** rng.integers(1, 16, count), dtype=np.int64)
+    return list(zip(keys.tolist(), offsets.tolist()))
+
+
+def as_dict(index) -> dict:
+    return {int(k): int(o) for k, o in zip(index.keys, index.offsets)}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("chunk", [7, 64, 1 << 26])
+def test_numpy_parse_is_the_line_by_line_parse(tmp_path, monkeypatch, seed, chunk):
+    """Lines split across chunks, shuffled ids, a repeated id: the arrays, sorted by
+    id, and the fingerprint (size and CRC-32 of the file) are the slow parse's."""
+    monkeypatch.setattr(record_index, "CHUNK", chunk)
+    pairs = random_pairs(seed)
+    path = write_index(tmp_path / "train.idx", pairs)
+    keys, offsets, fingerprint = parse_index(path)
+    slow_keys, slow_offsets, slow_fingerprint = parse_lines(path)
+    assert keys.tolist() == slow_keys.tolist() == sorted(dict(pairs))
+    last = dict(pairs)
+    assert offsets.tolist() == slow_offsets.tolist() == [last[k] for k in sorted(last)]
+    data = path.read_bytes()
+    assert fingerprint == slow_fingerprint == {"bytes": len(data), "crc32": zlib.crc32(data)}
+
+
+def test_other_whitespace_is_accepted_and_a_bad_line_is_named(tmp_path):
+    path = tmp_path / "train.idx"
+    path.write_bytes(b"0\t0\n1 40\r\n2\t 96\n3\t128")  # no newline at the end either
+    keys, offsets, _ = parse_index(path)
+    assert keys.tolist() == [0, 1, 2, 3] and offsets.tolist() == [0, 40, 96, 128]
+    path.write_bytes(b"0\t0\n1\t40\n2\t-96\n")
+    with pytest.raises(DataError, match=r"train\.idx line 3 is not 'record_id<TAB>offset': "
+                                        r"b'2\\t-96'"):
+        parse_index(path)
+
+
+def test_the_cache_is_used_while_it_is_this_index_and_intact(tmp_path, monkeypatch):
+    path = write_index(tmp_path / "train.idx", random_pairs(3))
+    expected = as_dict(open_index(path))
+    cache = tmp_path / "train.idx.cache"
+    assert cache.is_file() and not list(tmp_path.glob(".*partial"))
+
+    def no_parse(path):
+        raise AssertionError("parsed although the cache is valid")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(record_index, "parse_index", no_parse)
+        cached = open_index(path)
+        assert as_dict(cached) == expected and isinstance(cached.keys, np.memmap)
+
+    payload = record_index.HEADER_BYTES + 100  # a bit flipped inside the arrays
+    damaged = bytearray(cache.read_bytes())
+    damaged[payload] ^= 0x10
+    for broken in (bytes(damaged), cache.read_bytes()[:-8], b"garbage" * 700, b""):
+        cache.write_bytes(broken)
+        assert as_dict(open_index(path)) == expected
+        assert cache.read_bytes() != broken  # rebuilt
+
+    stale = random_pairs(4)  # the index rewritten: the cache names the old one
+    write_index(path, stale)
+    assert as_dict(open_index(path)) == dict(stale)
+
+
+def test_lookups_and_counts(tmp_path):
+    index = open_index(write_index(tmp_path / "train.idx", [(0, 0), (1, 10), (2, 20), (5, 50)]))
+    assert len(index) == 4 and list(index) == [0, 1, 2, 5]
+    assert 5 in index and 3 not in index and index[2] == 20
+    with pytest.raises(KeyError):
+        index[3]
+    assert index.count_between(1, 3) == 2 and index.count_between(0, 6) == 4
+    assert index.count_between(3, 5) == 0
+
+
+def test_a_read_only_dataset_keeps_its_cache_in_the_users_cache(tmp_path):
+    """A real read-only bind mount: nothing written beside the index, the cache in
+    cache_dir, and the next open uses it."""
+    data, cache = tmp_path / "data", tmp_path / "cache"
+    data.mkdir()
+    write_index(data / "train.idx", random_pairs(5))
+    check = (f"import sys; sys.path.insert(0, {os.getcwd()!r}); from pathlib import Path; "
+             "from partial_fc_mx.data.record_index import open_index; "
+             f"a = open_index(Path({str(data / 'train.idx')!r}), Path({str(cache)!r})); "
+             f"b = open_index(Path({str(data / 'train.idx')!r}), Path({str(cache)!r})); "
+             "print('SAME', (a.keys == b.keys).all() and (a.offsets == b.offsets).all(), "
+             "type(b.keys).__name__)")
+    script = (f"mount --bind {data} {data} && mount -o remount,bind,ro {data} && "
+              f"{sys.executable} -c \"{check}\"")
+    result = subprocess.run(["unshare", "--mount", "sh", "-c", script], capture_output=True,
+                            text=True, timeout=120)
+    assert "SAME True memmap" in result.stdout, result.stdout + result.stderr
+    assert sorted(p.name for p in data.iterdir()) == ["train.idx"]
+    assert len(list((cache / "index").glob("train.idx-*.cache"))) == 1
+
+
+def test_ranks_opening_at_once_build_one_cache(tmp_path):
+    path = write_index(tmp_path / "train.idx", random_pairs(6, 20000))
+    code = (f"import sys; sys.path.insert(0, {os.getcwd()!r}); from pathlib import Path; "
+            "from partial_fc_mx.data.record_index import open_index; "
+            f"i = open_index(Path({str(path)!r})); print(len(i), int(i.offsets.sum()))")
+    workers = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+               for _ in range(3)]
+    outputs = {worker.communicate(timeout=120)[0] for worker in workers}
+    assert all(worker.returncode == 0 for worker in workers)
+    expected = dict(random_pairs(6, 20000))
+    assert outputs == {f"{len(expected)} {sum(expected.values())}\n"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.idx", "train.idx.cache"]
+
+
+# ----- past 2^24 images -----
+
+def test_a_dataset_past_2_24_images_counts_them_in_the_index(tmp_path):
+    """16,777,218 images: the header's end (16,777,219) reads back from float32 as
+    16,777,220. The index decides (the last image, then an identity record), and
+    inspect says where the count came from."""
+    from partial_fc_mx.bench.index import generate_dataset
+    from partial_fc_mx.data.inspect import header_summary
+    from partial_fc_mx.data.recordio import RecordDataset, float32_candidates
+
+    images = 16_777_218
+    assert float(np.float32(images + 1)) == images + 2
+    assert float32_candidates(float(np.float32(images + 1))) == [images + 1, images + 2,
+                                                                 images + 3]
+    generate_dataset(tmp_path, images)
+    dataset = RecordDataset(tmp_path)
+    assert len(dataset) == images and dataset.header_images == images + 1
+    assert dataset.record_ids(np.array([0, images - 1])).tolist() == [1, images]
+    assert "16,777,218 images counted in the index" in header_summary(dataset)
+    assert "stores 16,777,219" in header_summary(dataset)
+
+
+def test_float32_candidates_below_2_24_are_exact():
+    from partial_fc_mx.data.recordio import float32_candidates
+
+    assert float32_candidates(12345.0) == [12345]
+    assert float32_candidates(float(2**24 - 1)) == [2**24 - 1]
+    assert float32_candidates(float(2**24)) == [2**24, 2**24 + 1]  # 2^24 + 1 rounds down
