@@ -54,7 +54,8 @@ class ClassCenters:
 
     def __init__(self, shard: Shard, embedding_size: int, optimizer: CenterOptimizer, *,
                  ctx: mx.Context, dtype: str = "float32", seed: int = 0, rank: int = 0,
-                 lazy: bool = True, block_rows: int | None = None) -> None:
+                 lazy: bool = True, block_rows: int | None = None,
+                 initialize: bool = True) -> None:
         if dtype == "float16" and not lazy:
             raise ValueError("lazy_update=False needs float32 centers")
         self.shard, self.embedding_size, self.optimizer = shard, embedding_size, optimizer
@@ -63,7 +64,8 @@ class ClassCenters:
         self.blocks = [CenterBlock(Shard(start, min(self.block_rows, shard.stop - start)),
                                    embedding_size, optimizer, ctx=ctx, dtype=dtype, lazy=lazy)
                        for start in range(shard.start, shard.stop, self.block_rows)]
-        fill_initial_centers([block.weight for block in self.blocks], seed, shard)
+        if initialize:  # else the caller loads every row (a checkpoint) next
+            fill_initial_centers([block.weight for block in self.blocks], seed, shard)
         self.rng = np.random.default_rng([seed, rank])
         self.buffers = Workspace(ctx)
 

@@ -71,12 +71,14 @@ class PartialFC:
         lazy_update: bool = True,
         optimizer: CenterOptimizer | None = None,
         center_block_rows: int | None = None,
+        initialize_centers: bool = True,
     ) -> None:
         """`margin`: (m1, m2, m3) of the combined margin with `scale`, or a margin of
         margins/ (which has its own scale). `optimizer`: the centers'
         (center_optimizers/); by default SGD with `momentum` and `weight_decay`.
         `center_block_rows`: rows per stored block of the shard (default: as many as
-        one MXNet array holds; tests lower it)."""
+        one MXNet array holds; tests lower it). `initialize_centers=False` leaves
+        the rows undrawn, for a caller that loads them from a checkpoint next."""
         if not 0 < sample_rate <= 1:
             raise ValueError(f"sample_rate={sample_rate} must be in (0, 1]")
         if num_classes < world_size:
@@ -92,7 +94,7 @@ class PartialFC:
             shard_of(num_classes, rank, world_size), embedding_size,
             optimizer or SGD(momentum=momentum, weight_decay=weight_decay), ctx=self.ctx,
             dtype=center_dtype(fp16_centers), seed=seed, rank=rank,
-            lazy=lazy_update, block_rows=center_block_rows)
+            lazy=lazy_update, block_rows=center_block_rows, initialize=initialize_centers)
         self.shard = self.centers.shard
         self.num_sample = num_sample(self.shard.count, sample_rate)
         self.margin = CombinedMargin(*margin, scale=scale) if isinstance(margin, tuple) \

@@ -190,7 +190,8 @@ def start(config: Config, resume_from: str | None, load_from: str | None) -> Run
     ctx = dist.training_device(world)
     mx.random.seed(config.seed)
     work_dir, dataset, loader, validator, (net, model), pfc, trainer = dist.run_agreed(
-        lambda: build(config, world, ctx), "start", (UserError,), TrainingError,
+        lambda: build(config, world, ctx, fresh_centers=not (resume_from or load_from)),
+        "start", (UserError,), TrainingError,
         "start-up failed")
     workdir.check_shared(work_dir, world)
     if problem := dataset_disagreement_across_ranks(
@@ -212,9 +213,11 @@ def start(config: Config, resume_from: str | None, load_from: str | None) -> Run
                validator, state, plan, scaler, log)
 
 
-def build(config: Config, world: dist.World, ctx: mx.Context) -> tuple:
+def build(config: Config, world: dist.World, ctx: mx.Context, fresh_centers: bool) -> tuple:
     """The run's parts, from local work only: no collective, so a rank that fails here
-    cannot leave the others waiting."""
+    cannot leave the others waiting. Without `fresh_centers` (a checkpoint will
+    replace them: restore() fails the run otherwise) the centers are not drawn: minutes
+    for a shard of tens of GiB."""
     config.check_world_size(world.size)
     work_dir = workdir.create(config.output)
     dataset = open_dataset(config)
@@ -226,7 +229,7 @@ def build(config: Config, world: dist.World, ctx: mx.Context) -> tuple:
                     world_size=world.size, ctx=ctx, sample_rate=config.sample_rate,
                     margin=config.margin_function(), fp16_centers=config.fp16_centers,
                     seed=config.seed, lazy_update=config.center_lazy_update,
-                    optimizer=config.centers_optimizer())
+                    optimizer=config.centers_optimizer(), initialize_centers=fresh_centers)
     return (work_dir, dataset, loader, validator, (net, model), pfc,
             make_trainer(config, net))
 
