@@ -152,8 +152,7 @@ class ClassCenters:
         touched = {id(block) for block, _, _ in parts}
         for block in self.blocks:
             if not block.lazy and id(block) not in touched:
-                self.optimizer.update(block, None, block.weight,
-                                      mx.nd.zeros(block.weight.shape, ctx=self.ctx), lr)
+                self.optimizer.update(block, None, block.weight, block.zero_gradient(), lr)
 
     def _split(self, index: np.ndarray | None):
         """(block, its rows of `index` as an NDArray or None for all, the slice of the
@@ -193,6 +192,13 @@ class CenterBlock:
 
     def arrays(self) -> dict[str, mx.nd.NDArray]:
         return {"weight": self.weight, **self.states}
+
+    def zero_gradient(self) -> mx.nd.NDArray:
+        """A zero gradient for every row (a dense step of a block no sample reached),
+        allocated once: the optimizers only read it."""
+        if not hasattr(self, "_zero_gradient"):
+            self._zero_gradient = mx.nd.zeros(self.weight.shape, ctx=self.ctx)
+        return self._zero_gradient
 
     def load(self, rows: dict) -> None:
         """Replace the weight (and the states given; the others start at zero) with
@@ -268,10 +274,8 @@ HOST_CHUNK_ELEMENTS = 2**25
 
 
 def rows_per_block(embedding_size: int) -> int:
-    """The most rows of `embedding_size` one MXNet array holds, in whole random blocks
-    of the initial centers (9 fewer than the limit's 4,194,303 rows at D = 512)."""
-    rows = INT32_ELEMENTS // embedding_size
-    return max(rows // CENTER_BLOCK * CENTER_BLOCK, min(rows, CENTER_BLOCK))
+    """The most rows of `embedding_size` one MXNet array holds (4,194,303 of 512)."""
+    return INT32_ELEMENTS // embedding_size
 
 
 def fill_initial_centers(blocks: list[mx.nd.NDArray], seed: int, shard: Shard,
@@ -284,9 +288,9 @@ def fill_initial_centers(blocks: list[mx.nd.NDArray], seed: int, shard: Shard,
     numpy draws 2.3 s of float32 normals per GiB on one core: the random blocks are
     drawn by several threads (numpy's generators release the GIL). On the CPU
     (`in_place`) each thread scales its rows straight into the arrays' memory, in
-    the stored dtype; on a GPU the threads make host chunks, a few ahead of the
-    copies this thread makes. Either way start-up holds a few chunks beside the
-    rows, never a float32 copy of a float16 shard."""
+    the stored dtype; on a GPU the threads make host chunks (128 MiB each, two per
+    thread ahead of the copies this thread makes). Either way start-up holds a few
+    chunks beside the rows, never a float32 copy of a float16 shard."""
     in_place = blocks[0].context.device_type == "cpu" if in_place is None else in_place
     width, dtype = blocks[0].shape[1], np.dtype(blocks[0].dtype)
     views = [host_view(block) for block in blocks] if in_place else []
@@ -312,7 +316,8 @@ def fill_initial_centers(blocks: list[mx.nd.NDArray], seed: int, shard: Shard,
                     np.multiply(rows, CENTER_SCALE, out=views[k][low - start:high - start],
                                 casting="unsafe")
                 else:
-                    copies.append((k, low - start, (rows * CENTER_SCALE).astype(dtype)))
+                    copies.append((k, low - start,
+                                   (rows * CENTER_SCALE).astype(dtype, copy=False)))
         return copies
 
     threads = fill_threads()

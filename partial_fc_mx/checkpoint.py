@@ -416,20 +416,23 @@ def load_centers(checkpoint: Path, meta: dict, pfc: PartialFC, with_states: bool
 
 
 class JoinedRows:
-    """Consecutive row ranges of saved shards (memory-mapped) as one matrix that is
-    sliced by rows, without joining them in memory: a rank's rows of a 10M-class
-    checkpoint are read a part at a time into its blocks."""
+    """Consecutive row ranges of saved shards (memory-mapped) as one matrix: sliced by
+    rows it stays a view, and only np.asarray reads and joins the rows. A rank's rows
+    of a 10M-class checkpoint reach its blocks a chunk at a time (CenterBlock.load)."""
 
     def __init__(self, parts: list[np.ndarray]) -> None:
-        self.parts = parts
-        self.starts = np.cumsum([0] + [len(part) for part in parts])
+        self.parts = [part for part in parts if len(part)] or parts[:1]
+        self.starts = np.cumsum([0] + [len(part) for part in self.parts])
         self.shape = (int(self.starts[-1]), *(parts[0].shape[1:] if parts else (0,)))
 
-    def __getitem__(self, rows: slice) -> np.ndarray:
+    def __getitem__(self, rows: slice) -> JoinedRows:
         low, high, _ = rows.indices(self.shape[0])
-        pieces = [part[max(low - start, 0):max(min(high - start, len(part)), 0)]
-                  for part, start in zip(self.parts, self.starts[:-1])]
-        return np.concatenate([p for p in pieces if len(p)] or [pieces[0][:0]])
+        return JoinedRows([part[max(low - start, 0):max(min(high - start, len(part)), 0)]
+                           for part, start in zip(self.parts, self.starts[:-1])])
+
+    def __array__(self, dtype=None) -> np.ndarray:
+        joined = np.concatenate(self.parts) if len(self.parts) > 1 else np.asarray(self.parts[0])
+        return joined if dtype is None else joined.astype(dtype, copy=False)
 
 
 def saved_rows(path: Path, shape: tuple) -> np.ndarray:

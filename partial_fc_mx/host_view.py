@@ -18,7 +18,9 @@ import numpy as np
 
 
 def host_view(array: mx.nd.NDArray) -> np.ndarray:
-    """The memory of CPU `array` as a numpy array of its shape and dtype."""
+    """The memory of CPU `array` as a numpy array of its shape and dtype. For arrays
+    just allocated (mx.nd.empty queues no operation): MXNet must not read or write
+    the array while the view is used, and the caller keeps `array` alive."""
     if array.context.device_type != "cpu":
         raise ValueError(f"a host view needs an array on the CPU, not {array.context}")
     array.wait_to_read()
@@ -36,12 +38,17 @@ def zeros(shape: tuple, ctx: mx.Context, dtype: str, threads: int = 1) -> mx.nd.
         return mx.nd.zeros(shape, ctx=ctx, dtype=dtype)
     array = mx.nd.empty(shape, ctx=ctx, dtype=dtype)
     flat = host_view(array).reshape(-1)
-    step = -(-len(flat) // threads)
+    step = max(1, -(-len(flat) // threads))
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(lambda low: flat[low:low + step].fill(0), range(0, len(flat), step)))
     return array
 
 
+LOCAL_SIZE_VARIABLES = ("HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
+
+
 def fill_threads() -> int:
-    """Threads for filling large arrays: the cores this process may run on, at most 8."""
-    return max(1, min(len(os.sched_getaffinity(0)), 8))
+    """Threads for filling large arrays: this process's share of the cores it may run
+    on (its launcher says how many processes share the host), at most 8."""
+    local = next((int(os.environ[v]) for v in LOCAL_SIZE_VARIABLES if v in os.environ), 1)
+    return max(1, min(len(os.sched_getaffinity(0)) // max(local, 1), 8))

@@ -54,11 +54,15 @@ def test_a_sample_rate_that_samples_no_center_is_refused(tmp_path, synthetic):
                                    "process holds (120 classes / 2 processes)", code=1)
 
 
-def test_a_shard_one_mxnet_array_cannot_hold_is_refused_before_allocation(tmp_path, synthetic):
-    config = config_file(tmp_path, synthetic, num_classes=9_000_000, embedding_size=512)
+def test_sampled_centers_one_mxnet_array_cannot_hold_are_refused_before_allocation(
+        tmp_path, synthetic):
+    """9M classes over 2 processes, all scored (sample_rate 1): the 4.5M x 512 sampled
+    rows are one array (the shard itself would be stored in blocks)."""
+    config = config_file(tmp_path, synthetic, num_classes=9_000_000, embedding_size=512,
+                         sample_rate=1.0)
     result = mpirun(2, train_args(config, tmp_path / "work"), timeout=120)
-    assert_every_rank_says(result, "9000000 classes over 2 processes give one process "
-                                   "4500000 x 512 class centers", code=1)
+    assert_every_rank_says(result, "one process scores 4,500,000 of its 4,500,000 class "
+                                   "centers per step", code=1)
     assert "use at least 3 processes" in errors(result.stdout)[0]
 
 

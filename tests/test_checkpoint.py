@@ -399,4 +399,6 @@ def test_center_blocks_are_saved_as_one_npy_of_their_rows(tmp_path):
     joined = JoinedRows([whole[:4], whole[4:9], whole[9:]])
     assert joined.shape == (23, 5)
     for rows in (slice(0, 23), slice(3, 12), slice(9, 9), slice(20, 40)):
-        assert joined[rows].tobytes() == whole[rows].tobytes(), rows
+        assert np.asarray(joined[rows]).tobytes() == whole[rows].tobytes(), rows
+    assert np.asarray(joined[3:12][2:5]).tobytes() == whole[5:8].tobytes()  # views of views
+    assert isinstance(joined[3:12].parts[0], np.ndarray) and joined[3:12].shape == (9, 5)

@@ -101,60 +101,77 @@ def test_lookups_and_counts(tmp_path):
 
 
 def test_a_read_only_dataset_keeps_its_cache_in_the_users_cache(tmp_path):
-    """A real read-only bind mount: nothing written beside the index, the cache in
-    cache_dir, and the next open uses it."""
-    data, cache = tmp_path / "data", tmp_path / "cache"
-    data.mkdir()
-    write_index(data / "train.idx", random_pairs(5))
+    """Real read-only bind mounts: a new index is cached in cache_dir, nothing is
+    written beside it, and the next open maps that cache; an index whose cache was
+    built beside it before the folder became read-only uses that one."""
+    fresh, built, cache = tmp_path / "fresh", tmp_path / "built", tmp_path / "cache"
+    for folder in (fresh, built):
+        folder.mkdir()
+        write_index(folder / "train.idx", random_pairs(5))
+    open_index(built / "train.idx")  # train.idx.cache beside it, while writable
+    opens = "; ".join(
+        f"a = open_index(Path({str(d / 'train.idx')!r}), Path({str(cache)!r})); "
+        f"b = open_index(Path({str(d / 'train.idx')!r}), Path({str(cache)!r})); "
+        "print('SAME', (a.keys == b.keys).all() and (a.offsets == b.offsets).all(), "
+        "type(b.keys).__name__)" for d in (fresh, built))
     check = (f"import sys; sys.path.insert(0, {os.getcwd()!r}); from pathlib import Path; "
-             "from partial_fc_mx.data.record_index import open_index; "
-             f"a = open_index(Path({str(data / 'train.idx')!r}), Path({str(cache)!r})); "
-             f"b = open_index(Path({str(data / 'train.idx')!r}), Path({str(cache)!r})); "
-             "print('SAME', (a.keys == b.keys).all() and (a.offsets == b.offsets).all(), "
-             "type(b.keys).__name__)")
-    script = (f"mount --bind {data} {data} && mount -o remount,bind,ro {data} && "
-              f"{sys.executable} -c \"{check}\"")
-    result = subprocess.run(["unshare", "--mount", "sh", "-c", script], capture_output=True,
-                            text=True, timeout=120)
-    assert "SAME True memmap" in result.stdout, result.stdout + result.stderr
-    assert sorted(p.name for p in data.iterdir()) == ["train.idx"]
-    assert len(list((cache / "index").glob("train.idx-*.cache"))) == 1
+             f"from partial_fc_mx.data.record_index import open_index; {opens}")
+    mounts = " && ".join(f"mount --bind {d} {d} && mount -o remount,bind,ro {d}"
+                         for d in (fresh, built))
+    result = subprocess.run(["unshare", "--mount", "sh", "-c",
+                             f"{mounts} && {sys.executable} -c \"{check}\""],
+                            capture_output=True, text=True, timeout=120)
+    assert result.stdout.count("SAME True memmap") == 2, result.stdout + result.stderr
+    assert sorted(p.name for p in fresh.iterdir()) == ["train.idx"]
+    assert len(list((cache / "index").glob("train.idx-*.cache"))) == 1  # fresh's alone
+    assert result.stderr.count("parsing ") == 1
 
 
 def test_ranks_opening_at_once_build_one_cache(tmp_path):
+    """Three processes open a new index at once: one parses it (each builder says so),
+    the others wait on the lock and map its cache."""
     path = write_index(tmp_path / "train.idx", random_pairs(6, 20000))
     code = (f"import sys; sys.path.insert(0, {os.getcwd()!r}); from pathlib import Path; "
             "from partial_fc_mx.data.record_index import open_index; "
             f"i = open_index(Path({str(path)!r})); print(len(i), int(i.offsets.sum()))")
-    workers = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-               for _ in range(3)]
-    outputs = {worker.communicate(timeout=120)[0] for worker in workers}
-    assert all(worker.returncode == 0 for worker in workers)
+    workers = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    results = [worker.communicate(timeout=120) for worker in workers]
+    assert all(worker.returncode == 0 for worker in workers), results
     expected = dict(random_pairs(6, 20000))
-    assert outputs == {f"{len(expected)} {sum(expected.values())}\n"}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.idx", "train.idx.cache"]
+    assert {out for out, _ in results} == {f"{len(expected)} {sum(expected.values())}\n"}
+    assert sum(err.count("parsing ") for _, err in results) == 1, results
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".train.idx.cache.lock", "train.idx", "train.idx.cache"]
+
+
+def test_numbers_past_int64_are_a_data_error(tmp_path):
+    path = tmp_path / "train.idx"
+    path.write_bytes(b"0\t0\n1\t123456789012345678901\n")
+    with pytest.raises(DataError, match="line 2 is not 'record_id<TAB>offset'"):
+        parse_index(path)
 
 
 # ----- past 2^24 images -----
 
-def test_a_dataset_past_2_24_images_counts_them_in_the_index(tmp_path):
-    """16,777,218 images: the header's end (16,777,219) reads back from float32 as
-    16,777,220. The index decides (the last image, then an identity record), and
-    inspect says where the count came from."""
+@pytest.mark.parametrize("images", [16_777_218, 16_777_216])
+def test_a_dataset_past_2_24_images_counts_them_in_the_index(tmp_path, images):
+    """The header's end (images + 1) reads back from float32 rounded: 16,777,219 as
+    16,777,220 (the first id float32 stores alike is the end), 16,777,217 as
+    16,777,216 (the second one is). The index decides (the last image, then an
+    identity record), and inspect says where the count came from."""
     from partial_fc_mx.bench.index import generate_dataset
     from partial_fc_mx.data.inspect import header_summary
     from partial_fc_mx.data.recordio import RecordDataset, float32_candidates
 
-    images = 16_777_218
-    assert float(np.float32(images + 1)) == images + 2
-    assert float32_candidates(float(np.float32(images + 1))) == [images + 1, images + 2,
-                                                                 images + 3]
+    stated = float(np.float32(images + 1))
+    assert stated != images + 1 and images + 1 in float32_candidates(stated)
     generate_dataset(tmp_path, images)
     dataset = RecordDataset(tmp_path)
-    assert len(dataset) == images and dataset.header_images == images + 1
+    assert len(dataset) == images and dataset.header_images == stated - 1
     assert dataset.record_ids(np.array([0, images - 1])).tolist() == [1, images]
-    assert "16,777,218 images counted in the index" in header_summary(dataset)
-    assert "stores 16,777,219" in header_summary(dataset)
+    assert f"{images:,} images counted in the index" in header_summary(dataset)
+    assert f"stores {stated - 1:,.0f}" in header_summary(dataset)
 
 
 def test_float32_candidates_below_2_24_are_exact():

@@ -23,7 +23,7 @@ class InspectReport:
     per_class: tuple = (0, 0, 0)
     """Images per class: min, median, max."""
     has_header: bool = False
-    header: str = ""
+    header: str = "no (im2rec)"
     resized: int = 0
     corrupt: list = field(default_factory=list)
     problems: list = field(default_factory=list)
@@ -79,9 +79,13 @@ def identity_record_problems(dataset: RecordDataset, labels: np.ndarray) -> list
         if record_id not in records.offsets:
             return [f"header record 0 promises identity records {first}..{end - 1}, but "
                     f"record {record_id} is not in {records.idx_path}"]
-        start, stop = (int(v) for v in records.unpack(record_id)[0].label)
-        classes = set(labels[start - 1:stop - 1].tolist())
-        if len(classes) != 1:
+        start, stop = records.unpack(record_id)[0].label
+        # past 2^24 the bounds are rounded (float32): any span they may stand for will do
+        spans = [(a, b) for a in float32_candidates(start) for b in float32_candidates(stop)]
+        label_sets = [set(labels[a - 1:b - 1].tolist()) for a, b in spans]
+        start, stop = spans[0]
+        classes = label_sets[0]
+        if all(len(found) != 1 for found in label_sets):
             problems.append(f"identity record {record_id} covers images {start}..{stop - 1} "
                             f"with labels {sorted(classes)[:5]}, expected one label")
     return problems

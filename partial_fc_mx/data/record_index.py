@@ -10,9 +10,9 @@ differ), computed in the same pass as the parse.
 
 The cache lives beside the index (train.idx.cache) or, when the dataset's folder is
 read-only, in ~/.cache/partial_fc_mx/index/. It is used only when its header names
-this index by path, size and modification time and its arrays match their checksum;
-otherwise (stale, truncated, damaged) it is rebuilt from train.idx, under a lock so
-that the ranks of a host parse the file once.
+this index by path, size, modification and change times and inode, and its arrays
+match their checksum; otherwise (stale, truncated, damaged) it is rebuilt from
+train.idx, under a lock so that the ranks of a host parse the file once.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import fcntl
 import hashlib
 import json
 import os
+import socket
+import sys
 import zlib
 from pathlib import Path
 
@@ -76,44 +78,53 @@ def open_index(path: Path, cache_dir: Path | None = None) -> RecordIndex:
     stat = path.stat()
     key = {"index": str(path.resolve()), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns,
            "ctime_ns": stat.st_ctime_ns, "inode": stat.st_ino}  # ctime: no tool sets it back
-    places = cache_places(path, cache_dir)
-    for place in places:
+    beside, elsewhere = cache_places(path, cache_dir)
+    for place in (beside, elsewhere):
         if (index := read_cache(place, key)) is not None:
             return index
-    for place in places:
-        with contextlib.suppress(OSError), locked(place.parent):
+    parsed = None
+    for place in (beside, elsewhere) if os.access(path.parent, os.W_OK) else (elsewhere,):
+        with contextlib.suppress(OSError), locked(place):
             if (index := read_cache(place, key)) is not None:  # a peer built it meanwhile
                 return index
-            write_cache(place, key, *parse_index(path))
+            sys.stderr.write(f"parsing {path} into {place} (once per index file)\n")
+            parsed = parsed or parse_index(path)
+            write_cache(place, key, *parsed)
             if (index := read_cache(place, key)) is not None:
                 return index
-    return RecordIndex(*parse_index(path))  # nowhere writable: in this process's memory
+    return RecordIndex(*(parsed or parse_index(path)))  # nowhere writable: in memory
 
 
-def cache_places(path: Path, cache_dir: Path | None) -> list[Path]:
-    """Beside the index, then the user's cache (for read-only dataset folders)."""
-    digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
+def cache_places(path: Path, cache_dir: Path | None) -> tuple[Path, Path]:
+    """Beside the index, and in the user's cache for read-only dataset folders (named
+    by the index's path and this host: hosts with their own copies of a dataset at
+    one path may share a home directory)."""
+    name = f"{path.resolve()}:{socket.gethostname()}"
+    digest = hashlib.sha256(name.encode()).hexdigest()[:16]
     elsewhere = (cache_dir or default_cache_dir()) / "index" / f"{path.name}-{digest}.cache"
-    beside = path.with_name(f"{path.name}.cache")
-    return [beside, elsewhere] if os.access(path.parent, os.W_OK) else [elsewhere]
+    return path.with_name(f"{path.name}.cache"), elsewhere
 
 
 @contextlib.contextmanager
-def locked(directory: Path):
-    """An exclusive lock on `directory` (created if needed) while a cache is built.
-    Where the file system has no locks, the ranks build alike and the last rename wins."""
-    directory.mkdir(parents=True, exist_ok=True)
-    fd = os.open(directory, os.O_RDONLY)
+def locked(place: Path):
+    """An exclusive lock (POSIX, which NFS honours) on a lock file beside the cache
+    `place` while it is built, with the partial files of killed builders removed."""
+    place.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(place.with_name(f".{place.name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        with contextlib.suppress(OSError):
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        with contextlib.suppress(OSError):  # no locks here: ranks build alike, last wins
+            fcntl.lockf(fd, fcntl.LOCK_EX)
+        for stale in place.parent.glob(f".{place.name}.*.partial"):
+            with contextlib.suppress(OSError):
+                stale.unlink()
         yield
     finally:
         os.close(fd)  # releases the lock
 
 
 def read_cache(place: Path, key: dict) -> RecordIndex | None:
-    """The cached index when it is this index's and intact; None otherwise."""
+    """The cached index when it is this index's and intact; None otherwise. The file
+    checked is the file mapped, even if another process replaces the name meanwhile."""
     try:
         with open(place, "rb") as file:
             header = file.read(HEADER_BYTES)
@@ -125,12 +136,10 @@ def read_cache(place: Path, key: dict) -> RecordIndex | None:
                 return None
             if checksum_of(file, 16 * count) != meta["crc32"]:
                 return None
+            arrays = (np.memmap(file, np.int64, "r", offset=HEADER_BYTES, shape=(2, count))
+                      if count else np.zeros((2, 0), np.int64))
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if count == 0:
-        arrays = np.zeros((2, 0), np.int64)
-    else:
-        arrays = np.memmap(place, np.int64, "r", offset=HEADER_BYTES, shape=(2, count))
     return RecordIndex(arrays[0], arrays[1], meta["fingerprint"])
 
 
@@ -154,6 +163,8 @@ def write_cache(place: Path, key: dict, keys: np.ndarray, offsets: np.ndarray,
     meta = {"key": key, "records": len(keys), "fingerprint": fingerprint,
             "crc32": zlib.crc32(arrays[1], zlib.crc32(arrays[0]))}
     header = CACHE_FORMAT + json.dumps(meta).encode()
+    if len(header) > HEADER_BYTES:
+        raise OSError(f"the cache header of {key['index']} is too long")  # a path of 4 KB
     partial = place.with_name(f".{place.name}.{os.getpid()}.partial")
     try:
         with open(partial, "wb") as file:
@@ -233,7 +244,8 @@ def parse_lines(path: Path) -> tuple[np.ndarray, np.ndarray, dict]:
         for number, line in enumerate(lines, 1):
             crc, size = zlib.crc32(line, crc), size + len(line)
             fields = line.split()
-            if len(fields) != 2 or not all(f.isdigit() for f in fields):
+            if len(fields) != 2 or not all(f.isdigit() and len(f) <= LONGEST_NUMBER
+                                           for f in fields):
                 raise DataError(f"{path} line {number} is not 'record_id<TAB>offset': "
                                 f"{line.strip()[:60]!r}. Rebuild the index with the packer")
             keys.append(int(fields[0]))

@@ -142,7 +142,9 @@ class RecordDataset:
     @property
     def image_ids(self) -> np.ndarray:
         """Every image's record id, in record order (len(self) of them)."""
-        return self.record_ids(np.arange(self.num_images))
+        if self.has_header:
+            return np.arange(1, self.num_images + 1)
+        return self.records.offsets.keys
 
     def record_ids(self, positions: np.ndarray) -> np.ndarray:
         """The record ids of the images at `positions` (0 .. len(self) - 1): computed,
@@ -175,10 +177,14 @@ class RecordDataset:
                              and not self._is_image(end)):
                 return end
         missing = first_missing(index.keys, 1, candidates[-1])
-        within = f" (a float32: exact to +-{len(candidates) // 2})" if len(candidates) > 1 else ""
+        if missing < candidates[-1] or len(candidates) == 1:
+            found = f"{records.idx_path} lacks record {missing}"
+        else:
+            found = (f"none of records {candidates[0]}..{candidates[-1]} (the ids float32 "
+                     "stores alike) ends them: an image followed by an identity record or "
+                     "by no record")
         raise DataError(f"{records.rec_path}: header record 0 says images are records "
-                        f"1..{int(stated) - 1}{within}, but {records.idx_path} lacks record "
-                        f"{missing}. Rebuild the index or re-pack")
+                        f"1..{int(stated) - 1}, but {found}. Rebuild the index or re-pack")
 
     def _is_image(self, record_id: int) -> bool:
         """A record with an image payload (identity records have none)."""
