@@ -44,11 +44,9 @@ def zeros(shape: tuple, ctx: mx.Context, dtype: str, threads: int = 1) -> mx.nd.
     return array
 
 
-LOCAL_SIZE_VARIABLES = ("HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
-
-
 def fill_threads() -> int:
-    """Threads for filling large arrays: this process's share of the cores it may run
-    on (its launcher says how many processes share the host), at most 8."""
-    local = next((int(os.environ[v]) for v in LOCAL_SIZE_VARIABLES if v in os.environ), 1)
-    return max(1, min(len(os.sched_getaffinity(0)) // max(local, 1), 8))
+    """Threads for filling large arrays: the cores this process may run on, at most 8.
+    Not divided among the ranks of a host: much of a fill is waiting for fresh pages,
+    and two ranks of two threads each on two cores started 1.5x faster than two of one
+    (docs/benchmarks.md); a launcher that binds ranks to cores narrows the set."""
+    return max(1, min(len(os.sched_getaffinity(0)), 8))
