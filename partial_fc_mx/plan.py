@@ -25,6 +25,7 @@ MAX_WORLD_SIZE = 65536
 """The largest world size the search for the fewest GPUs tries (a few microseconds
 each: the backbone's part does not depend on it)."""
 
+
 @dataclass(frozen=True)
 class Collective:
     """One collective of a training step, as every rank calls it."""
