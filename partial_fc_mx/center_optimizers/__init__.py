@@ -17,9 +17,26 @@ from typing import TYPE_CHECKING, Protocol
 from .. import plugins
 
 if TYPE_CHECKING:  # no MXNet for config validation
+    from collections.abc import Callable
+
     import mxnet as mx
 
-    from ..centers import CenterBlock
+
+class CenterRows(Protocol):
+    """What an optimizer is given to update: a block of class centers
+    (centers.CenterBlock), described here so that this package depends on nothing of
+    centers.py, which depends on it."""
+
+    weight: mx.nd.NDArray
+    states: dict[str, mx.nd.NDArray]
+    ctx: mx.Context
+    lazy: bool
+
+    def every_row(self, index: mx.nd.NDArray | None, w: mx.nd.NDArray,
+                  grad: mx.nd.NDArray) -> tuple: ...
+
+    def apply(self, index: mx.nd.NDArray | None, w: mx.nd.NDArray,
+              rule: Callable[[mx.nd.NDArray, dict], None]) -> None: ...
 
 
 class CenterOptimizer(Protocol):
@@ -28,7 +45,7 @@ class CenterOptimizer(Protocol):
     def states(self, embedding_size: int, center_dtype: str) -> dict[str, tuple[int, str]]:
         """{state name: (columns, dtype)}, each state one row per center, zero at start."""
 
-    def update(self, centers: CenterBlock, index: mx.nd.NDArray | None, w: mx.nd.NDArray,
+    def update(self, centers: CenterRows, index: mx.nd.NDArray | None, w: mx.nd.NDArray,
                grad: mx.nd.NDArray, lr: float) -> None:
         """Update the rows `index` of centers.weight and centers.states (None: all rows);
         `w` holds their float32 values, `grad` their gradient. centers.apply runs a

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, ClassVar
 import mxnet as mx
 
 if TYPE_CHECKING:
-    from ..centers import CenterBlock
+    from . import CenterRows
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class AdamW:
         return {"mean": (embedding_size, "float32"), "var": (embedding_size, "float32"),
                 "steps": (1, "float32")}
 
-    def update(self, centers: CenterBlock, index: mx.nd.NDArray | None, w: mx.nd.NDArray,
+    def update(self, centers: CenterRows, index: mx.nd.NDArray | None, w: mx.nd.NDArray,
                grad: mx.nd.NDArray, lr: float) -> None:
         index, w, grad = centers.every_row(index, w, grad)
         centers.apply(index, w, lambda w, states: self.rule(w, grad, states, lr))

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, ClassVar
 import mxnet as mx
 
 if TYPE_CHECKING:
-    from ..centers import CenterBlock
+    from . import CenterRows
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class SGD:
         insightface's file name)."""
         return {"mom": (embedding_size, center_dtype)}
 
-    def update(self, centers: CenterBlock, index: mx.nd.NDArray | None, w: mx.nd.NDArray,
+    def update(self, centers: CenterRows, index: mx.nd.NDArray | None, w: mx.nd.NDArray,
                grad: mx.nd.NDArray, lr: float) -> None:
         """The sampled rows are gathered (the weights already are, for the GEMMs), updated
         by MXNet's dense sgd_mom_update and scattered back, through buffers kept across

@@ -37,6 +37,10 @@ from .pack import (
 
 # What an insightface .bin may reference: `_codecs.encode` turns Python 2 strings
 # into bytes; the numpy entries rebuild arrays and scalars from raw bytes.
+FOLDS = 10
+"""The verification protocol's folds: a threshold chosen on nine, scored on the tenth
+(evaluation/verification.py); a set needs at least this many pairs."""
+
 ALLOWED_GLOBALS = {
     ("_codecs", "encode"),
     ("numpy", "ndarray"), ("numpy", "dtype"),
@@ -165,8 +169,6 @@ def make_bin(pairs_file: str | os.PathLike, root: str | os.PathLike, out: str | 
     each picture aligned from its landmarks when given, else prepared as `pack` would;
     returns the number of pairs. A picture that cannot be used is an error naming the
     line: dropping a pair would change the protocol."""
-    from ..evaluation.verification import FOLDS  # not at the top: it imports this module
-
     root = Path(root)
     pairs = read_pairs(Path(pairs_file))
     if len(pairs) < FOLDS:

@@ -17,9 +17,7 @@ import numpy as np
 
 from ..data import DataError
 from ..data.transforms import decode_face, to_network_input
-from ..data.verification_set import read_verification_bin
-
-FOLDS = 10
+from ..data.verification_set import FOLDS, read_verification_bin
 
 
 @dataclass
