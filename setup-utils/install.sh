@@ -157,7 +157,22 @@ main() {
   refuse_undriven_gpus "before building Horovod" python_in_venv -m partial_fc_mx gpus
   install_horovod
   install_fingerprint >"$stamp"
-  say "done: $("$venv/bin/horovodrun" --check-build | grep -E '\[X\]' | tr -s ' ' | tr '\n' ' ')"
+  say "done: $(horovod_summary)"
 }
 
-main "$@"
+# "Horovod v0.28.1 for MXNet; controllers: MPI, Gloo; tensor operations: MPI, Gloo":
+# --check-build's marks by section (its list repeats MPI and Gloo, and marks
+# frameworks this venv does not have, such as PyTorch).
+horovod_summary() {
+  "$venv/bin/horovodrun" --check-build | awk '
+    /^Horovod/ { version = $2; sub(":", "", version) }
+    /Controllers/ { section = "controllers" }
+    /Tensor Operations/ { section = "tensor operations" }
+    /\[X\]/ && section != "" { found[section] = found[section] (found[section] ? ", " : "") $2 }
+    END { printf "Horovod %s for MXNet; controllers: %s; tensor operations: %s\n",
+                 version, found["controllers"], found["tensor operations"] }'
+}
+
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then  # sourced by a test: the functions alone
+  main "$@"
+fi
