@@ -39,8 +39,17 @@ for name in PATH LD_LIBRARY_PATH CONFIG $(compgen -e | grep -E '^(MXNET_|HOROVOD
 done
 
 echo "== preflight: $CONFIG on $NP processes"
-if ! PFC_COMMAND=check "${launch[@]}" -x PFC_COMMAND bash config.sh "$@"; then
-  echo "run.sh: the preflight found the PROBLEM lines above; fix them and run again." >&2
+said=$(mktemp)
+trap 'rm -f "$said"' EXIT
+if ! PFC_COMMAND=check "${launch[@]}" -x PFC_COMMAND bash config.sh "$@" \
+    > >(tee -a "$said") 2> >(tee -a "$said" >&2); then
+  sleep 0.2  # the tees finish writing
+  if grep -q "PROBLEM:" "$said"; then
+    echo "run.sh: the preflight found the PROBLEM lines above; fix them and run again." >&2
+  else
+    echo "run.sh: the preflight stopped before it could check everything; the error above" \
+         "says why (CONFIG=$CONFIG, arguments: ${*:-none})." >&2
+  fi
   exit 1
 fi
 echo "== training"

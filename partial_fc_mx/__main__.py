@@ -25,6 +25,11 @@ PEER_REPORT_SECONDS = 3.0
 LAUNCHER_WORLD_SIZE = ("OMPI_COMM_WORLD_SIZE", "HOROVOD_SIZE", "PMI_SIZE")
 
 
+def launched() -> bool:
+    """Whether mpirun, horovodrun or an MPI launcher (srun) started this process."""
+    return any(name in os.environ for name in LAUNCHER_WORLD_SIZE)
+
+
 def let_peers_report() -> None:
     """A bad config fails every rank alike, before any collective; but a launcher ends
     the job at the first exit, and a rank still importing MXNet would be killed
@@ -253,6 +258,9 @@ def train_command(args: argparse.Namespace) -> int:
     from .train import train
 
     config = config_of(args)
+    if not launched():
+        sys.stderr.write("training in this one process: no launcher started it (for several, "
+                         "`horovodrun -np N -H localhost:N bash config.sh` or `bash run.sh`)\n")
     try:
         return train(config, args.resume_from, args.load_from)
     except UserError as error:

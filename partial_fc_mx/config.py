@@ -244,9 +244,15 @@ def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> Config:
     return config
 
 
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+"""The repository's configs: where `_base_ = "orl.py"` is found from a user's config."""
+
+
 def read_config_file(path: Path) -> dict:
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist; pick one from configs/")
+        raise ConfigError(f"config file {path} does not exist (looked for {path.absolute()}); "
+                          f"give its path from the current folder {Path.cwd()}, or use one of "
+                          f"{CONFIGS}")
     try:
         namespace = runpy.run_path(str(path))
     except Exception as error:  # a user's Python file: any error is theirs to see
@@ -254,13 +260,24 @@ def read_config_file(path: Path) -> dict:
     values = {}
     base = namespace.get("_base_")
     if base:
-        values.update(read_config_file(path.parent / base))
+        values.update(read_config_file(base_config(str(base), path)))
     for key, value in namespace.items():
         if key.startswith("_") or callable(value) or isinstance(value, types.ModuleType):
             continue
         check_known(key, source=str(path))
         values[key] = value
     return values
+
+
+def base_config(base: str, including: Path) -> Path:
+    """`_base_` from the including config's folder, else from the repository's configs/
+    (an absolute path as it is)."""
+    places = [including.parent / base, CONFIGS / base]
+    found = next((place for place in places if place.is_file()), None)
+    if found is None:
+        raise ConfigError(f"_base_ = {base!r} in {including}: no such config (looked for "
+                          f"{' and '.join(str(p.absolute()) for p in places)})")
+    return found
 
 
 def parse_override(text: str) -> tuple[str, object]:

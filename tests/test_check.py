@@ -118,3 +118,17 @@ def test_horovodrun_gloo_through_config_sh(tmp_path, dataset):
     assert "controller in use: Gloo" in result.stdout
     assert "processes: 3 on 1 host(s)" in result.stdout
     assert "launched by horovodrun" in result.stdout
+
+
+def test_run_sh_says_why_its_preflight_stopped(tmp_path):
+    """A preflight that prints PROBLEM lines is summed up by them; one that stops
+    before (a config that does not exist) is not said to have found PROBLEM lines."""
+    import os
+
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "CONFIG": str(tmp_path / "nowhere.py"), "NP": "1"}
+    result = run(["bash", str(repo / "run.sh")], env=env, timeout=300)
+    assert result.returncode == 1
+    assert "config file " + str(tmp_path / "nowhere.py") + " does not exist" in result.stdout
+    assert "the preflight stopped before it could check everything" in result.stdout
+    assert "found the PROBLEM lines" not in result.stdout

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from partial_fc_mx.config import ConfigError, load_config
+from partial_fc_mx.config import CONFIGS, ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -115,3 +115,26 @@ def test_val_targets_resolve_names_inside_rec(tmp_path):
     path = write(tmp_path / "c.py", "num_classes = 3\nrec = '/d'\n"
                                     "val_targets = ['lfw', '/x/cfp.bin']\n")
     assert [str(p) for p in load_config(path).val_paths()] == ["/d/lfw.bin", "/x/cfp.bin"]
+
+
+def test_a_missing_config_says_where_it_looked(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=rf"config file mine.py does not exist \(looked for "
+                                          rf"{tmp_path}/mine.py\); give its path from the "
+                                          rf"current folder {tmp_path}"):
+        load_config("mine.py")
+
+
+def test_base_is_found_beside_the_config_then_in_the_repositorys_configs(tmp_path):
+    """A user's config anywhere may build on a shipped one by its name; a missing
+    _base_ names itself, the including file and the places looked in."""
+    mine = write(tmp_path / "mine.py", "_base_ = 'orl.py'\nbatch_size = 4\n")
+    config = load_config(mine)
+    assert config.batch_size == 4 and config.rec == load_config(CONFIGS / "orl.py").rec
+    write(tmp_path / "orl.py", "num_classes = 7\nnetwork = 'r18'\n")  # beside it: first
+    assert (load_config(mine).network, load_config(mine).num_classes) == ("r18", 7)
+    broken = write(tmp_path / "broken.py", "_base_ = 'nowhere.py'\n")
+    with pytest.raises(ConfigError, match=rf"_base_ = 'nowhere.py' in {broken}: no such "
+                                          rf"config \(looked for {tmp_path}/nowhere.py and "
+                                          rf"{CONFIGS}/nowhere.py\)"):
+        load_config(broken)

@@ -234,7 +234,7 @@ def test_property_disagreement_and_empty_or_small_datasets(tmp_path):
         FaceLoader(RecordDataset(directory), 4, world_size=2)
     with pytest.raises(DataError, match="no readable images; nothing was written"):
         write_records(tmp_path / "empty", iter([]), 3)
-    assert not (tmp_path / "empty" / "train.rec").exists()
+    assert not (tmp_path / "empty").exists()  # no empty folder that looks like output
 
 
 def test_cli_reports_and_exit_codes(tmp_path):
@@ -247,7 +247,23 @@ def test_cli_reports_and_exit_codes(tmp_path):
     assert bad.returncode == 1 and "1 corrupt image(s), records [2]" in bad.stdout
     missing = run(python_module("pack", str(tmp_path / "nope"), str(tmp_path / "out")))
     assert missing.returncode == 2
-    assert "nope is not a folder of identity subfolders" in missing.stdout
+    assert "nope does not exist; pack needs one subfolder per person" in missing.stdout
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("layout, message", [
+    ({}, "is empty; pack needs one subfolder per person"),
+    ({"a.png": 1, "b.png": 1, "notes.txt": 1},
+     "holds 2 picture(s) but no subfolders; pack needs one subfolder per person"),
+])
+def test_a_folder_without_a_subfolder_per_person_says_so(tmp_path, layout, message):
+    source = tmp_path / "faces"
+    source.mkdir()
+    for name in layout:
+        (source / name).write_bytes(b"x")
+    result = run(python_module("pack", str(source), str(tmp_path / "out")))
+    assert result.returncode == 2 and f"{source} {message}" in result.stdout, result.stdout
+    assert not (tmp_path / "out").exists()
 
 
 # ----- the datasets made here -----

@@ -76,6 +76,7 @@ def test_resumed_run_repeats_the_uninterrupted_losses(tmp_path, synthetic, cente
                          keep_checkpoints=5, **centers)
     straight = mpirun(2, train_args(config, tmp_path / "a"), timeout=600)
     assert straight.returncode == 0, straight.stdout[-3000:]
+    assert "no launcher started it" not in straight.stdout
     checkpoint = tmp_path / "a" / "checkpoints" / "step_000004"
     assert json.loads((checkpoint / "meta.json").read_text())["step"] == 4
     resumed = mpirun(2, train_args(config, tmp_path / "b", "--resume-from", str(checkpoint)),
@@ -122,6 +123,7 @@ def test_load_from_takes_weights_and_starts_at_step_zero(tmp_path, synthetic):
     loaded = run(train_args(fresh, tmp_path / "b", "--load-from", str(tmp_path / "a")))
     scratch = run(train_args(fresh, tmp_path / "c"))
     assert loaded.returncode == 0 and scratch.returncode == 0, loaded.stdout[-2000:]
+    assert "training in this one process: no launcher started it" in scratch.stdout
     b, c = logged(tmp_path / "b")["losses"], logged(tmp_path / "c")["losses"]
     assert sorted(b) == [1] and b[1] < c[1] - 2.0, (b, c)  # first step: trained weights
     assert "resumed" not in logged(tmp_path / "b")["text"]

@@ -77,6 +77,7 @@ def write_records(out_dir: str | os.PathLike, samples: Iterable[tuple[int, bytes
     counts go into `report` (where the sample source may note what it skipped).
     """
     out = Path(out_dir)
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     tmp = {name: out / f".{name}.partial" for name in ("train.rec", "train.idx", "property")}
     report = report or PackReport()
@@ -85,6 +86,9 @@ def write_records(out_dir: str | os.PathLike, samples: Iterable[tuple[int, bytes
     except BaseException:
         for path in tmp.values():
             path.unlink(missing_ok=True)
+        if created:  # nothing was written: no empty folder left to look like output
+            with contextlib.suppress(OSError):
+                out.rmdir()
         raise
     for name, path in tmp.items():
         os.replace(path, out / name)
@@ -163,6 +167,22 @@ def encoded_face(path: Path, report: PackReport, landmarks=None, unaligned: str 
                     f"{NOT_FACE_SIZE} (use --landmarks, --resize or --crop)")
         return None
     return encode_jpeg(cv2.cvtColor(image, cv2.COLOR_BGR2RGB))
+
+
+def check_identity_folders(root: Path) -> None:
+    """A DataError unless `root` is a folder with a subfolder per person, saying which
+    of the usual mistakes it is."""
+    layout = f"pack needs one subfolder per person (e.g. {root}/alice/1.jpg)"
+    if not root.exists():
+        raise DataError(f"{root} does not exist; {layout}")
+    if not root.is_dir():
+        raise DataError(f"{root} is a file, not a folder; {layout}")
+    entries = list(root.iterdir())
+    if not entries:
+        raise DataError(f"{root} is empty; {layout}")
+    if not any(entry.is_dir() for entry in entries):
+        loose = sum(entry.suffix.lower() in IMAGE_SUFFIXES for entry in entries)
+        raise DataError(f"{root} holds {loose} picture(s) but no subfolders; {layout}")
 
 
 def folder_pictures(root: Path) -> tuple[list[tuple[int, str]], int]:
@@ -293,8 +313,7 @@ def pack_folder(src: str | os.PathLike, out_dir: str | os.PathLike, crop: bool =
     are not FACE_SIZE x FACE_SIZE are center-cropped (`crop`), resized or skipped."""
     unaligned = unaligned_rule(crop, resize)
     root = Path(src)
-    if not root.is_dir():
-        raise DataError(f"{root} is not a folder of identity subfolders")
+    check_identity_folders(root)
     pictures, num_classes = folder_pictures(root)
     points = read_landmarks(Path(landmarks)) if landmarks else {}
     matched_landmarks(points, [relative for _, relative in pictures], landmarks, root)
