@@ -42,6 +42,7 @@ class Config:
     """Directory holding train.rec, train.idx and property (insightface layout), or
     "random" for random tensors without decoding (speed runs)."""
     num_classes: int = 0
+    """Identities in the training set; must agree with `property` (the packer writes it)."""
     num_image: int = 0
     """Images in the training set; 0 means count them from train.idx."""
     val_targets: list = field(default_factory=list)
@@ -63,8 +64,11 @@ class Config:
 
     # --- model ---
     network: str = "r50"
+    """The backbone: r18, r34, r50, r100, r200 (IResNet), mobilefacenet, or tiny (tests)."""
     embedding_size: int = 512
+    """Length of the face embedding (the backbone's output, the class centers' width)."""
     dropout: float = 0.0
+    """Dropout before the embedding layer, in [0, 1)."""
     fp16: bool = False
     """The backbone computes in 16 bits, with dynamic loss scaling: float16 on a GPU,
     bfloat16 on a CPU host (MXNet has no float16 convolutions there); its parameters
@@ -72,6 +76,8 @@ class Config:
 
     # --- Partial FC ---
     sample_rate: float = 1.0
+    """Share of each rank's class centers scored per step (Partial FC; positives always
+    are); 1: all of them, the plain margin softmax. 0.1 is the papers' choice."""
     margin: str = "combined"
     """The margin on the target logit, a module of partial_fc_mx/margins/: "combined"
     (margin_list) or "adaface" (margin_options m, h, t_alpha)."""
@@ -80,6 +86,7 @@ class Config:
     margin_options: dict = field(default_factory=dict)
     """Settings of a margin other than "combined", e.g. {"m": 0.4, "h": 0.333}."""
     scale: float = 64.0
+    """The logits' scale s of the combined margin."""
     fp16_centers: bool = False
     """Store this rank's class-center shard in float16 to fit twice the classes."""
     center_optimizer: str = "sgd"
@@ -101,11 +108,16 @@ class Config:
     """The backbone's: "sgd" (with momentum) or "adamw" (decoupled weight decay; try
     lr=0.001, weight_decay=0.1). The class centers': center_optimizer."""
     lr: float = 0.1
+    """The learning rate at the end of warmup, for a global batch of batch_size x the
+    processes (not scaled by the number of processes: change it with them)."""
     center_lr_scale: float = 1.0
     """The class centers' learning rate is lr * center_lr_scale."""
     momentum: float = 0.9
+    """SGD's momentum (the backbone's, and the centers' with center_optimizer="sgd")."""
     weight_decay: float = 5e-4
+    """Weight decay of the backbone and of the class centers."""
     num_epoch: int = 20
+    """Epochs to train (max_steps, when set, ends the run instead)."""
     warmup_epoch: float = 0.0
     """Epochs of linear warmup (fractions allowed)."""
     lr_steps: list = field(default_factory=list)
@@ -118,6 +130,7 @@ class Config:
     clip_grad: float = 0.0
     """Clip the backbone's global gradient norm to this; 0: no clipping."""
     seed: int = 2048
+    """Seeds the initial weights and centers, the data order and augmentation, dropout."""
 
     # --- output ---
     output: str = ""
@@ -129,6 +142,7 @@ class Config:
     save_every: int = 0
     """Save a resumable checkpoint every this many steps; 0: at the end of each epoch."""
     keep_checkpoints: int = 2
+    """How many of the newest checkpoints to keep (older ones are deleted)."""
     stall_timeout: int = 1800
     """Seconds one step (with its evaluation and saving) may take before the process
     prints every thread's stack and exits, so a stuck job fails instead of hanging

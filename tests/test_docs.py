@@ -118,3 +118,16 @@ def test_a_renamed_flag_or_key_is_caught(line, problem):
     found = [p for text in command_texts(line) for kind, words in invocations(text)
              for p in problems_of(kind, words)]
     assert len(found) == 1 and found[0].startswith(problem), found
+
+
+def test_the_configuration_page_is_generated_from_config_and_lists_every_key():
+    from partial_fc_mx.config_reference import render, sections
+
+    page = (REPO / "docs" / "configuration.md").read_text()
+    assert page == render(), ("docs/configuration.md is out of date: python -m "
+                              "partial_fc_mx.config_reference > docs/configuration.md")
+    listed = [key for _, keys in sections() for key, *_ in keys]
+    assert sorted(listed) == sorted(FIELDS)
+    undocumented = [key for _, keys in sections() for key, _, _, meaning in keys if not meaning]
+    assert not undocumented, f"say what these keys mean in config.py: {undocumented}"
+    assert "| `val_targets` | list | `[]` | Verification sets: names looked up as " in page

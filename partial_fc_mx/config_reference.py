@@ -1,0 +1,72 @@
+"""docs/configuration.md, generated from the Config class: every key with its type,
+default and meaning, in the class's sections. The docs cannot drift from the code:
+tests/test_docs.py compares the page with this module's output.
+
+    python -m partial_fc_mx.config_reference > docs/configuration.md
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+import textwrap
+
+from . import config
+
+HEADER = """# Configuration keys
+
+A config is a Python file of `key = value` lines (`configs/*.py`); `_base_ = "other.py"`
+takes another's values first (found beside the config, then in `configs/`), and
+`key=value` words on the command line override both (`python -m partial_fc_mx train
+configs/orl.py batch_size=32`, `bash config.sh sample_rate=0.1`). An unknown key is
+an error that suggests the nearest one. Relative paths (`rec`, `output`, `.bin` files)
+are taken from the folder the process runs in: the repository under `config.sh` and
+`run.sh`, which change into it.
+
+Generated from `partial_fc_mx/config.py` by `python -m partial_fc_mx.config_reference`.
+"""
+
+
+def sections() -> list[tuple[str, list[tuple[str, str, str, str]]]]:
+    """[(section, [(key, type, default, meaning), ...]), ...] in the class's order."""
+    source = textwrap.dedent(inspect.getsource(config.Config))
+    body = ast.parse(source).body[0].body
+    lines = source.splitlines()
+    found: list[tuple[str, list]] = []
+    for i, node in enumerate(body):
+        if not isinstance(node, ast.AnnAssign):
+            continue
+        above = lines[node.lineno - 2] if node.lineno >= 2 else ""
+        if heading := re.fullmatch(r"\s*# --- (.+) ---", above):
+            found.append((heading.group(1), []))
+        following = body[i + 1] if i + 1 < len(body) else None
+        meaning = ""
+        if (isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)):
+            meaning = " ".join(following.value.value.split())
+        found[-1][1].append((node.target.id, ast.unparse(node.annotation),
+                             default_of(node.value), meaning))
+    return found
+
+
+def default_of(value: ast.expr) -> str:
+    """The default as written, or the value its default_factory makes."""
+    if isinstance(value, ast.Call) and any(k.arg == "default_factory" for k in value.keywords):
+        factory = next(k.value for k in value.keywords if k.arg == "default_factory")
+        return {"list": "[]", "dict": "{}"}.get(ast.unparse(factory), ast.unparse(factory) + "()")
+    return ast.unparse(value)
+
+
+def render() -> str:
+    parts = [HEADER]
+    for section, keys in sections():
+        parts.append(f"\n## {section[0].upper()}{section[1:]}\n\n| key | type | default | "
+                     "meaning |\n|---|---|---|---|")
+        parts += [f"| `{key}` | {kind} | `{default}` | {meaning.replace('|', '/')} |"
+                  for key, kind, default, meaning in keys]
+    return "\n".join(parts) + "\n"
+
+
+if __name__ == "__main__":
+    print(render(), end="")
