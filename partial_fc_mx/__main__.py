@@ -150,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--bin", nargs="+", required=True, help="insightface .bin sets")
     evaluate.add_argument("--gpu", type=int, metavar="N",
                           help="run a work dir's backbone on GPU N")
+    evaluate.add_argument("--best", action="store_true",
+                          help="a work dir's best backbone (backbone-best-*, kept by "
+                               "val_targets) instead of its latest")
     ijb = commands.add_parser("eval-ijb", help="IJB-B/IJB-C 1:1 verification: TAR at FAR "
                                                 "1e-6 ... 1e-1, ROC plot, saved scores")
     ijb.set_defaults(func=eval_ijb_command)
@@ -443,9 +446,9 @@ def check_onnx_command(args: argparse.Namespace) -> int:
     return 1 if checked.warnings else 0
 
 
-def model_forward(model: str, gpu: int | None = None):
-    """images -> embeddings of a work dir's backbone (MXNet, on the CPU or GPU `gpu`)
-    or of an ONNX file (onnxruntime on the CPU)."""
+def model_forward(model: str, gpu: int | None = None, best: bool = False):
+    """images -> embeddings of a work dir's backbone (MXNet, on the CPU or GPU `gpu`;
+    its best one with `best`) or of an ONNX file (onnxruntime on the CPU)."""
     from . import export
     from .evaluation.verification import mxnet_forward, onnx_forward
 
@@ -453,18 +456,26 @@ def model_forward(model: str, gpu: int | None = None):
         if gpu is not None:
             raise DataError("--gpu runs a work dir's MXNet backbone; an ONNX file runs on "
                             "the CPU: give the work dir instead")
+        if best:
+            raise DataError("--best picks a work dir's best backbone; give the work dir")
         return onnx_forward(export.onnx_session(model))
     import mxnet as mx
 
     ctx = mx.cpu() if gpu is None else mx.gpu(gpu)
-    return mxnet_forward(export.load_backbone(model, ctx), ctx)
+    name = "backbone-best" if best else "backbone"
+    return mxnet_forward(export.load_backbone(model, ctx, name), ctx)
 
 
 def eval_command(args: argparse.Namespace) -> int:
     from .evaluation.verification import load_bin, verify
 
     sets = {path: load_bin(path) for path in args.bin}  # bad files first: they are cheap
-    forward = model_forward(args.model, args.gpu)
+    forward = model_forward(args.model, args.gpu, args.best)
+    if not args.model.endswith(".onnx"):
+        from .export import describe_backbone
+
+        model = "backbone-best" if args.best else "backbone"
+        print(f"evaluating {describe_backbone(args.model, model)}")
     for path, pairs in sets.items():
         result = verify(forward, pairs)
         tars = "".join(f"  TAR@FAR={far:g}: {tar:.4f}" for far, tar in result.tar_at_far.items())

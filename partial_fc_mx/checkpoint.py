@@ -159,7 +159,7 @@ def save(work_dir: Path, state: TrainState, net, trainer, pfc: PartialFC,
                                                              .encode()))
         publish(partial, final)
         prune(work_dir, state.step, keep)
-        save_backbone(net, Path(work_dir) / "backbone")
+        save_backbone(net, Path(work_dir) / "backbone", {"step": state.step})
 
     agreed(finish, "checkpoint.done", f"could not finish checkpoint {final}", world.is_main)
     return final
@@ -274,10 +274,11 @@ def set_aside(work_dir: Path, newer_than: int = -1) -> Path | None:
     return aside
 
 
-def save_backbone(net, prefix: str | os.PathLike) -> None:
+def save_backbone(net, prefix: str | os.PathLike, record: dict | None = None) -> None:
     """`prefix`-symbol.json and `prefix`-0000.params for inference, in net.export's
     format, each written under a temporary name and renamed durably, so a crash never
-    leaves a half-written backbone behind a good name.
+    leaves a half-written backbone behind a good name; then `record` (its step) as
+    `prefix`.json, which `eval` names.
 
     The graph comes from calling `net` on a symbol, not from the graph cached by a
     forward pass (net.export's): the float32 network of a mixed-precision run never
@@ -293,6 +294,9 @@ def save_backbone(net, prefix: str | os.PathLike) -> None:
                 for name, param in net.collect_params().items()})
     for suffix in ("-symbol.json", "-0000.params"):
         durable.replace(f"{tmp}{suffix}", f"{prefix}{suffix}")
+    if record is not None:
+        durable.write_atomically(prefix.with_name(f"{prefix.name}.json"),
+                                 lambda path: path.write_text(json.dumps(record)))
 
 
 # ----- verifying -----

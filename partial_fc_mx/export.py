@@ -7,9 +7,11 @@ their helper checks (shapes, file size, latency) and warns past a budget.
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,20 +32,41 @@ class ExportError(DataError):
     error too: the message names the file)."""
 
 
-def backbone_files(work_dir: str | os.PathLike) -> tuple[str, str]:
-    """(symbol, params) of the backbone a work dir holds; a clear error when missing."""
+def backbone_files(work_dir: str | os.PathLike, model: str = "backbone") -> tuple[str, str]:
+    """(symbol, params) of the backbone a work dir holds (`model`: "backbone", the
+    latest, or "backbone-best"); a clear error when missing."""
     work_dir = Path(work_dir)
-    for name in (SYMBOL, PARAMS):
+    symbol, params = f"{model}-symbol.json", f"{model}-0000.params"
+    for name in (symbol, params):
         if not (work_dir / name).is_file():
-            raise ExportError(f"{work_dir} has no {name}: not a work dir with a saved backbone "
-                            "(training writes it at every checkpoint)")
-    return str(work_dir / SYMBOL), str(work_dir / PARAMS)
+            saved = ("training writes it at every checkpoint" if model == "backbone" else
+                     "training writes it when a verification beats the best so far: it "
+                     "needs val_targets")
+            raise ExportError(f"{work_dir} has no {name}: not a work dir with that saved "
+                              f"backbone ({saved})")
+    return str(work_dir / symbol), str(work_dir / params)
 
 
-def load_backbone(work_dir: str | os.PathLike, ctx: mx.Context | None = None):
-    """The exported backbone of a work dir, as a Gluon block."""
-    symbol, params = backbone_files(work_dir)
-    return mx.gluon.SymbolBlock.imports(symbol, ["data"], params, ctx=ctx or mx.cpu())
+def load_backbone(work_dir: str | os.PathLike, ctx: mx.Context | None = None,
+                  model: str = "backbone"):
+    """A backbone a work dir holds, as a Gluon block."""
+    symbol, params = backbone_files(work_dir, model)
+    with warnings.catch_warnings():  # "Cannot decide type" of the unused label input
+        warnings.simplefilter("ignore")
+        return mx.gluon.SymbolBlock.imports(symbol, ["data"], params, ctx=ctx or mx.cpu())
+
+
+def describe_backbone(work_dir: str | os.PathLike, model: str = "backbone") -> str:
+    """Which model of a work dir is meant, with the step it was saved at (from the
+    record written beside it) and, for the best one, its accuracy in training."""
+    name = f"{Path(work_dir) / model}"
+    try:
+        record = json.loads((Path(work_dir) / f"{model}.json").read_text())
+    except (OSError, ValueError):
+        return f"{name} (no record of its step beside it)"
+    accuracy = (f", mean verification accuracy {record['accuracy']:.5f} in training"
+                if "accuracy" in record else "")
+    return f"{name} (step {record.get('step', '?')}{accuracy})"
 
 
 def export_onnx(work_dir: str | os.PathLike) -> Path:

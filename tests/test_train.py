@@ -59,6 +59,17 @@ def test_two_processes_learn_and_verify_better_on_unseen_identities(tmp_path, sy
         accuracy = float(re.search(r"accuracy ([\d.]+) \+-", evaluated.stdout).group(1))
         # eval prints 5 decimals; metrics.jsonl keeps the full value
         assert abs(accuracy - round(after, 5)) <= tolerance, (model, accuracy, after)
+        assert "Cannot decide type" not in evaluated.stdout
+        if model == work:  # which model, saved at which step
+            assert f"evaluating {work}/backbone (step {steps[-1]})\n" in evaluated.stdout
+    # --best: the model the best verification kept, named with its step and accuracy
+    best_accuracy, best_step = max((a, -s) for s, a in log["accuracy"] if s > 0)
+    best = run(python_module("eval", "--model", str(work), "--bin", heldout, "--best"))
+    assert best.returncode == 0, best.stdout[-2000:]
+    assert (f"evaluating {work}/backbone-best (step {-best_step}, mean verification accuracy "
+            f"{best_accuracy:.5f} in training)") in best.stdout, best.stdout
+    assert float(re.search(r"accuracy ([\d.]+) \+-", best.stdout).group(1)) == round(
+        best_accuracy, 5)
     plots = run(python_module("plot", str(work)))
     assert plots.returncode == 0, plots.stdout
     for name in ("loss", "learning_rate", "speed", "verification"):
