@@ -41,9 +41,10 @@ done
 echo "== preflight: $CONFIG on $NP processes"
 said=$(mktemp)
 trap 'rm -f "$said"' EXIT
-if ! PFC_COMMAND=check "${launch[@]}" -x PFC_COMMAND bash config.sh "$@" \
-    > >(tee -a "$said") 2> >(tee -a "$said" >&2); then
-  sleep 0.2  # the tees finish writing
+status=0  # a pipeline: bash waits for tee, so the grep below sees every line
+PFC_COMMAND=check "${launch[@]}" -x PFC_COMMAND bash config.sh "$@" 2>&1 | tee -i "$said" \
+  || status=$?
+if [ "$status" -ne 0 ]; then
   if grep -q "PROBLEM:" "$said"; then
     echo "run.sh: the preflight found the PROBLEM lines above; fix them and run again." >&2
   else

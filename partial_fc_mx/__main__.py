@@ -25,9 +25,12 @@ PEER_REPORT_SECONDS = 3.0
 LAUNCHER_WORLD_SIZE = ("OMPI_COMM_WORLD_SIZE", "HOROVOD_SIZE", "PMI_SIZE")
 
 
+LAUNCHER_VARIABLES = (*LAUNCHER_WORLD_SIZE, "PMIX_RANK", "SLURM_NTASKS")
+
+
 def launched() -> bool:
-    """Whether mpirun, horovodrun or an MPI launcher (srun) started this process."""
-    return any(name in os.environ for name in LAUNCHER_WORLD_SIZE)
+    """Whether mpirun, horovodrun or srun (PMI or PMIx) started this process."""
+    return any(name in os.environ for name in LAUNCHER_VARIABLES)
 
 
 def let_peers_report() -> None:
@@ -470,12 +473,16 @@ def eval_command(args: argparse.Namespace) -> int:
     from .evaluation.verification import load_bin, verify
 
     sets = {path: load_bin(path) for path in args.bin}  # bad files first: they are cheap
-    forward = model_forward(args.model, args.gpu, args.best)
-    if not args.model.endswith(".onnx"):
-        from .export import describe_backbone
+    from .export import describe_backbone
 
-        model = "backbone-best" if args.best else "backbone"
-        print(f"evaluating {describe_backbone(args.model, model)}")
+    model = "backbone-best" if args.best else "backbone"
+    named = not args.model.endswith(".onnx")
+    before = describe_backbone(args.model, model) if named else ""
+    forward = model_forward(args.model, args.gpu, args.best)
+    if named:  # a run still training may save between the two reads
+        after = describe_backbone(args.model, model)
+        moved = f" (saved again while it loaded; it was {before})" if after != before else ""
+        print(f"evaluating {after}{moved}")
     for path, pairs in sets.items():
         result = verify(forward, pairs)
         tars = "".join(f"  TAR@FAR={far:g}: {tar:.4f}" for far, tar in result.tar_at_far.items())

@@ -285,6 +285,8 @@ def save_backbone(net, prefix: str | os.PathLike, record: dict | None = None) ->
     runs forward, and its graph has no casts for ONNX to choke on."""
     prefix = Path(prefix)
     tmp = prefix.with_name(f".{prefix.name}.partial")
+    if record is not None:  # a crash below leaves no record naming the previous step
+        prefix.with_name(f"{prefix.name}.json").unlink(missing_ok=True)
     settle()
     graph = graph_of(net)
     auxiliary = set(graph.list_auxiliary_states())

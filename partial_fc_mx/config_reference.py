@@ -33,13 +33,17 @@ def sections() -> list[tuple[str, list[tuple[str, str, str, str]]]]:
     source = textwrap.dedent(inspect.getsource(config.Config))
     body = ast.parse(source).body[0].body
     lines = source.splitlines()
-    found: list[tuple[str, list]] = []
+    found: list[tuple[str, list]] = [("keys", [])]
+    previous_end = 0
     for i, node in enumerate(body):
         if not isinstance(node, ast.AnnAssign):
+            previous_end = getattr(node, "end_lineno", previous_end)
             continue
-        above = lines[node.lineno - 2] if node.lineno >= 2 else ""
-        if heading := re.fullmatch(r"\s*# --- (.+) ---", above):
-            found.append((heading.group(1), []))
+        between = lines[previous_end:node.lineno - 1]  # blank and comment lines above it
+        previous_end = node.end_lineno
+        for line in between:
+            if heading := re.fullmatch(r"\s*# --- (.+) ---", line):
+                found.append((heading.group(1), []))
         following = body[i + 1] if i + 1 < len(body) else None
         meaning = ""
         if (isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
@@ -58,12 +62,19 @@ def default_of(value: ast.expr) -> str:
     return ast.unparse(value)
 
 
+def cell(text: str) -> str:
+    """Text for a Markdown table cell: its pipes escaped."""
+    return text.replace("|", "\\|")
+
+
 def render() -> str:
     parts = [HEADER]
     for section, keys in sections():
+        if not keys:
+            continue
         parts.append(f"\n## {section[0].upper()}{section[1:]}\n\n| key | type | default | "
                      "meaning |\n|---|---|---|---|")
-        parts += [f"| `{key}` | {kind} | `{default}` | {meaning.replace('|', '/')} |"
+        parts += [f"| `{key}` | {cell(kind)} | `{cell(default)}` | {cell(meaning)} |"
                   for key, kind, default, meaning in keys]
     return "\n".join(parts) + "\n"
 

@@ -42,8 +42,9 @@ def backbone_files(work_dir: str | os.PathLike, model: str = "backbone") -> tupl
             saved = ("training writes it at every checkpoint" if model == "backbone" else
                      "training writes it when a verification beats the best so far: it "
                      "needs val_targets")
-            raise ExportError(f"{work_dir} has no {name}: not a work dir with that saved "
-                              f"backbone ({saved})")
+            which = "" if model == "backbone" else "best "
+            raise ExportError(f"{work_dir} has no {name}: not a work dir with a saved "
+                              f"{which}backbone ({saved})")
     return str(work_dir / symbol), str(work_dir / params)
 
 
@@ -51,8 +52,8 @@ def load_backbone(work_dir: str | os.PathLike, ctx: mx.Context | None = None,
                   model: str = "backbone"):
     """A backbone a work dir holds, as a Gluon block."""
     symbol, params = backbone_files(work_dir, model)
-    with warnings.catch_warnings():  # "Cannot decide type" of the unused label input
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings():  # of the unused label input
+        warnings.filterwarnings("ignore", message="Cannot decide type")
         return mx.gluon.SymbolBlock.imports(symbol, ["data"], params, ctx=ctx or mx.cpu())
 
 

@@ -157,7 +157,9 @@ main() {
   refuse_undriven_gpus "before building Horovod" python_in_venv -m partial_fc_mx gpus
   install_horovod
   install_fingerprint >"$stamp"
-  say "done: $(horovod_summary)"
+  local summary
+  summary=$(horovod_summary) || die "'horovodrun --check-build' did not report the build"
+  say "done: $summary"
 }
 
 # "Horovod v0.28.1 for MXNet; controllers: MPI, Gloo; tensor operations: MPI, Gloo":
@@ -169,7 +171,8 @@ horovod_summary() {
     /Controllers/ { section = "controllers" }
     /Tensor Operations/ { section = "tensor operations" }
     /\[X\]/ && section != "" { found[section] = found[section] (found[section] ? ", " : "") $2 }
-    END { printf "Horovod %s for MXNet; controllers: %s; tensor operations: %s\n",
+    END { if (version == "" || found["controllers"] == "" || found["tensor operations"] == "") exit 1
+          printf "Horovod %s for MXNet; controllers: %s; tensor operations: %s\n",
                  version, found["controllers"], found["tensor operations"] }'
 }
 

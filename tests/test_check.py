@@ -126,9 +126,16 @@ def test_run_sh_says_why_its_preflight_stopped(tmp_path):
     import os
 
     repo = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "CONFIG": str(tmp_path / "nowhere.py"), "NP": "1"}
-    result = run(["bash", str(repo / "run.sh")], env=env, timeout=300)
-    assert result.returncode == 1
-    assert "config file " + str(tmp_path / "nowhere.py") + " does not exist" in result.stdout
-    assert "the preflight stopped before it could check everything" in result.stdout
-    assert "found the PROBLEM lines" not in result.stdout
+    broken = tmp_path / "broken.py"
+    broken.write_text(f"rec = {str(tmp_path / 'no_data')!r}\nnum_classes = 2\n"
+                      "network = 'tiny'\nbatch_size = 2\n")
+    said = {}
+    for config, expected in ((tmp_path / "nowhere.py", "the preflight stopped before it "
+                                                       "could check everything"),
+                             (broken, "the preflight found the PROBLEM lines above")):
+        env = {**os.environ, "CONFIG": str(config), "NP": "1"}
+        result = run(["bash", str(repo / "run.sh")], env=env, timeout=300)
+        assert result.returncode == 1 and expected in result.stdout, result.stdout[-3000:]
+        said[config.name] = result.stdout
+    assert "PROBLEM:" in said["broken.py"] and "PROBLEM:" not in said["nowhere.py"]
+    assert f"config file {tmp_path / 'nowhere.py'} does not exist" in said["nowhere.py"]

@@ -23,41 +23,47 @@ ENTRY_POINTS = [  # (pattern, parser) in the order they are tried on a command
     (re.compile(r"-m partial_fc_mx(?=\s|$)"), "main"),
     (re.compile(r"bash (?:\S*/)?(?:config|run)\.sh(?=\s|$)"), "train"),
 ]
-SHELL_ENDS = re.compile(r"\s(?:\||;|&&|>|2>|#)\s|`|\)$")
+SHELL_ENDS = re.compile(r"\s(?:\|\||\||;|&&|>|2>|#)\s|`|\)$")
 
 
 def command_texts(text: str) -> list[str]:
     """Each code line (4-space indented or in a ``` fence, continuation lines joined)
-    and each `inline` span of prose."""
-    found, fenced, joined = [], False, ""
-    for line in text.splitlines():
+    and each `inline` span of prose (a paragraph's lines joined: a span may wrap)."""
+    found, fenced, joined, prose = [], False, "", []
+    for line in [*text.splitlines(), ""]:
+        code = fenced or line.startswith("    ")
+        if line.strip().startswith("```") or code or not line.strip():
+            found += re.findall(r"`([^`]+)`", " ".join(prose))
+            prose = []
         if line.strip().startswith("```"):
             fenced = not fenced
-            continue
-        if fenced or line.startswith("    "):
+        elif code:
             joined += line.strip().removeprefix("$ ")
             if joined.endswith("\\"):
                 joined = joined[:-1] + " "
                 continue
             found.append(joined)
             joined = ""
-        else:
-            found += re.findall(r"`([^`]+)`", line)
+        elif line.strip():
+            prose.append(line.strip())
     return found
 
 
 def invocations(command: str) -> list[tuple[str, list[str]]]:
-    """(parser, the words after the entry point) of each entry point in `command`."""
-    for pattern, parser in ENTRY_POINTS:
-        match = pattern.search(command)
-        if match:
-            rest = SHELL_ENDS.split(command[match.end():])[0]
-            try:
-                words = shlex.split(rest)
-            except ValueError:  # prose with an apostrophe: the words up to it
-                words = rest.split("'")[0].split()
-            return [(parser, [w.strip("[]|(),") for w in words if w.strip("[]|(),")])]
-    return []
+    """(parser, the words after the entry point) of each command in `command` (split
+    where the shell would run another)."""
+    found = []
+    for piece in SHELL_ENDS.split(command):
+        for pattern, parser in ENTRY_POINTS:
+            if match := pattern.search(piece):
+                rest = piece[match.end():]
+                try:
+                    words = shlex.split(rest)
+                except ValueError:  # prose with an apostrophe: the words up to it
+                    words = rest.split("'")[0].split()
+                found.append((parser, [w.strip("[]|(),") for w in words if w.strip("[]|(),")]))
+                break
+    return found
 
 
 def subparser(kind: str, command: str | None):
@@ -80,7 +86,7 @@ def problems_of(kind: str, words: list[str]) -> list[str]:
         return [f"no subcommand {command!r} (there are {', '.join(commands)})"]
     options = parser._option_string_actions
     problems = [f"{command}: no option {word.split('=')[0]}" for word in rest
-                if word.startswith("--") and word.split("=")[0] not in options]
+                if word.startswith("--") and word != "--" and word.split("=")[0] not in options]
     if command in ("train", "check"):
         problems += [f"{command}: no config key {word.split('=')[0]!r}" for word in rest
                      if re.fullmatch(r"[a-z_][a-z0-9_]*=.*", word)
@@ -113,6 +119,9 @@ def test_every_documented_command_exists(where, kind, words):
     ("    horovodrun -np 2 -H localhost:2 bash config.sh sample_rat=0.1 --work-dir w",
      "train: no config key 'sample_rat'"),
     ("Run `bash run.sh --resume work_dirs/orl` to go on.", "train: no option --resume"),
+    ("A span that wraps: `python -m partial_fc_mx\ntrain configs/orl.py batchsize=4`.",
+     "train: no config key 'batchsize'"),
+    ("    python -m partial_fc_mx check x || bash run.sh --bogus", "train: no option --bogus"),
 ])
 def test_a_renamed_flag_or_key_is_caught(line, problem):
     found = [p for text in command_texts(line) for kind, words in invocations(text)
