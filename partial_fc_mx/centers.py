@@ -68,6 +68,7 @@ class ClassCenters:
             fill_initial_centers([block.weight for block in self.blocks], seed, shard)
         self.rng = np.random.default_rng([seed, rank])
         self.buffers = Workspace(ctx)
+        self._last_split = None  # (index, its split): see _split
 
     @property
     def weight(self) -> mx.nd.NDArray:
@@ -156,7 +157,15 @@ class ClassCenters:
 
     def _split(self, index: np.ndarray | None):
         """(block, its rows of `index` as an NDArray or None for all, the slice of the
-        sample they are) for each block the sample touches."""
+        sample they are) for each block the sample touches. The step's gather and its
+        update split the same index: the second call reuses the first's."""
+        if self._last_split is not None and same_rows(self._last_split[0], index):
+            return self._last_split[1]
+        parts = self._split_anew(index)
+        self._last_split = (None if index is None else index.copy(), parts)
+        return parts
+
+    def _split_anew(self, index: np.ndarray | None):
         if index is None:
             if len(self.blocks) > 1:
                 raise ValueError(f"every one of this rank's {self.shard.count} centers "
@@ -169,6 +178,11 @@ class ClassCenters:
                                     ctx=self.ctx, dtype="int64"), slice(low, high))
                 for block, low, high in zip(self.blocks, bounds[:-1], bounds[1:])
                 if high > low]
+
+
+def same_rows(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    """Whether two row selections (None: all) are equal."""
+    return a is b or (a is not None and b is not None and np.array_equal(a, b))
 
 
 class CenterBlock:
