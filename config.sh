@@ -6,11 +6,16 @@
 #   mpirun ... bash config.sh          (what run.sh does)
 # Arguments are config overrides (key=value) or --work-dir DIR.
 # PFC_COMMAND=check runs the preflight instead of training, under the same launcher.
+# Relative paths (CONFIG, rec, --work-dir) are taken from the folder it is launched in.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 CONFIG=${CONFIG:-$root/configs/orl.py}
-python=python3
-[ -x "$root/.venv/bin/python" ] && python="$root/.venv/bin/python"
+if [ -x "$root/.venv/bin/python" ]; then
+  python="$root/.venv/bin/python"  # has the package installed (pip install -e)
+else
+  python=python3
+  export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+fi
 
 # The MXNet reference's settings: let Horovod, not the kvstore, apply updates, and
 # let MXNet accumulate gradients in place.
@@ -30,5 +35,4 @@ if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
   export MXNET_CPU_WORKER_NTHREADS=${MXNET_CPU_WORKER_NTHREADS:-3}
 fi
 
-cd "$root"
 exec "$python" -m partial_fc_mx "${PFC_COMMAND:-train}" "$CONFIG" "$@"

@@ -5,18 +5,19 @@
 #   NP=16 HOSTFILE=hosts/host_16 CONFIG=configs/ms1mv3_r50.py bash run.sh
 # Environment: NP (processes, default 2), HOSTFILE (default: NP slots on localhost),
 # CONFIG (default configs/orl.py), MXNET_PACKAGE (GPU build, see setup-utils/install.sh).
+# Relative paths (CONFIG, HOSTFILE, rec, --work-dir) are taken from the folder it is
+# launched in, on every host.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-cd "$root"
 NP=${NP:-2}
-CONFIG=${CONFIG:-configs/orl.py}
+CONFIG=${CONFIG:-$root/configs/orl.py}
 HOSTFILE=${HOSTFILE:-}
 
-bash setup-utils/install.sh
+bash "$root/setup-utils/install.sh"
 export PATH="$root/.venv/bin:$PATH"
-if [ "$CONFIG" = configs/orl.py ] && [ ! -f data/orl/train.rec ]; then
-  echo "== packing the default job's data: ORL faces -> data/orl"
-  .venv/bin/python -m partial_fc_mx pack-orl data/orl
+if [ "$(realpath -m "$CONFIG")" = "$root/configs/orl.py" ] && [ ! -f data/orl/train.rec ]; then
+  echo "== packing the default job's data: ORL faces -> $PWD/data/orl"
+  "$root/.venv/bin/python" -m partial_fc_mx pack-orl data/orl
 fi
 
 # Open MPI's daemons notice a lost host by TCP keepalives on their (idle) control
@@ -25,7 +26,9 @@ fi
 export OMPI_MCA_oob_tcp_keepalive_time=${OMPI_MCA_oob_tcp_keepalive_time:-30}
 export OMPI_MCA_oob_tcp_keepalive_intvl=${OMPI_MCA_oob_tcp_keepalive_intvl:-10}
 export OMPI_MCA_oob_tcp_keepalive_probes=${OMPI_MCA_oob_tcp_keepalive_probes:-3}
-launch=(mpirun -np "$NP" -bind-to none -map-by slot)
+# -wdir: every process starts in this folder, so relative paths mean the same on every
+# host; a host that lacks it stops the job instead of silently using its home folder.
+launch=(mpirun -np "$NP" -bind-to none -map-by slot -wdir "$PWD")
 if [ -n "$HOSTFILE" ]; then
   launch+=(--hostfile "$HOSTFILE")
 else
@@ -42,7 +45,7 @@ echo "== preflight: $CONFIG on $NP processes"
 said=$(mktemp)
 trap 'rm -f "$said"' EXIT
 status=0  # a pipeline: bash waits for tee, so the grep below sees every line
-PFC_COMMAND=check "${launch[@]}" -x PFC_COMMAND bash config.sh "$@" 2>&1 | tee -i "$said" \
+PFC_COMMAND=check "${launch[@]}" -x PFC_COMMAND bash "$root/config.sh" "$@" 2>&1 | tee -i "$said" \
   || status=$?
 if [ "$status" -ne 0 ]; then
   if grep -q "PROBLEM:" "$said"; then
@@ -54,4 +57,4 @@ if [ "$status" -ne 0 ]; then
   exit 1
 fi
 echo "== training"
-"${launch[@]}" bash config.sh "$@"
+"${launch[@]}" bash "$root/config.sh" "$@"

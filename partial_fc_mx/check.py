@@ -157,7 +157,8 @@ def check_dataset(config: Config) -> tuple[list[str], dict | None]:
         fingerprint = dataset.records.fingerprint() if dataset is not None else None
     except DataError as error:
         problems.append(str(error))
-    problems += [f"verification set {path} is missing; fix `val_targets` or copy it there"
+    problems += [f"verification set {path.absolute()} is missing; fix `val_targets` or "
+                 "copy it there"
                  for path in config.val_paths() if not path.is_file()]
     return problems, fingerprint
 

@@ -20,9 +20,14 @@ A config is a Python file of `key = value` lines (`configs/*.py`); `_base_ = "ot
 takes another's values first (found beside the config, then in `configs/`), and
 `key=value` words on the command line override both (`python -m partial_fc_mx train
 configs/orl.py batch_size=32`, `bash config.sh sample_rate=0.1`). An unknown key is
-an error that suggests the nearest one. Relative paths (`rec`, `output`, `.bin` files)
-are taken from the folder the process runs in: the repository under `config.sh` and
-`run.sh`, which change into it.
+an error that suggests the nearest one.
+
+Relative paths (the config file, `rec`, `output` or `--work-dir`, `HOSTFILE`) are taken
+from the folder you launch from, by every entry point: `config.sh` and `run.sh` do not
+change folder, and `run.sh` starts every process in it (`mpirun -wdir`). A path that
+does not exist is reported as the absolute path that was looked for. The work dir
+defaults to `work_dirs/<config file name>` in that folder; a `val_targets` name `lfw`
+is read from `<rec>/lfw.bin`.
 
 Generated from `partial_fc_mx/config.py` by `python -m partial_fc_mx.config_reference`.
 """

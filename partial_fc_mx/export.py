@@ -96,7 +96,7 @@ def onnx_session(path: str | os.PathLike):
     import onnxruntime
 
     if not Path(path).is_file():
-        raise ExportError(f"ONNX file {path} does not exist")
+        raise ExportError(f"ONNX file {Path(path).absolute()} does not exist")
     try:
         return onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     except Exception as error:

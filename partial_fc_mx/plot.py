@@ -60,8 +60,8 @@ def label(work_dir: str, runs: int) -> str:
 def read_work_dir(work_dir: Path) -> dict:
     metrics = work_dir / METRICS
     if not metrics.is_file():
-        raise DataError(f"{metrics} does not exist: plot reads the {METRICS} a training run "
-                        "writes into its work dir")
+        raise DataError(f"{metrics.absolute()} does not exist: plot reads the {METRICS} a "
+                        "training run writes into its work dir")
     series = read_metrics(work_dir)
     if not series["step"]:
         raise DataError(f"{metrics} has no training steps yet")

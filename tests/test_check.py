@@ -111,9 +111,11 @@ def test_mpirun_two_processes_are_reported_and_all_fail_together(tmp_path, datas
 
 
 def test_horovodrun_gloo_through_config_sh(tmp_path, dataset):
-    config = str(write_config(tmp_path, dataset, 5))
-    result = horovodrun_gloo(3, ["bash", "config.sh"],
-                             env={"CONFIG": config, "PFC_COMMAND": "check"})
+    """Launched from the user's folder: the config and its `rec` are relative to it."""
+    write_config(tmp_path, Path(dataset.name), 5)
+    config_sh = str(Path(__file__).resolve().parent.parent / "config.sh")
+    result = horovodrun_gloo(3, ["bash", config_sh], cwd=tmp_path,
+                             env={"CONFIG": "cfg.py", "PFC_COMMAND": "check"})
     assert result.returncode == 0, result.stdout
     assert "controller in use: Gloo" in result.stdout
     assert "processes: 3 on 1 host(s)" in result.stdout
@@ -130,12 +132,13 @@ def test_run_sh_says_why_its_preflight_stopped(tmp_path):
     broken.write_text(f"rec = {str(tmp_path / 'no_data')!r}\nnum_classes = 2\n"
                       "network = 'tiny'\nbatch_size = 2\n")
     said = {}
-    for config, expected in ((tmp_path / "nowhere.py", "the preflight stopped before it "
-                                                       "could check everything"),
-                             (broken, "the preflight found the PROBLEM lines above")):
-        env = {**os.environ, "CONFIG": str(config), "NP": "1"}
-        result = run(["bash", str(repo / "run.sh")], env=env, timeout=300)
+    for config, expected in (("nowhere.py", "the preflight stopped before it could check "
+                                            "everything"),
+                             (str(broken), "the preflight found the PROBLEM lines above")):
+        env = {**os.environ, "CONFIG": config, "NP": "1"}
+        result = run(["bash", str(repo / "run.sh")], env=env, timeout=300, cwd=tmp_path)
         assert result.returncode == 1 and expected in result.stdout, result.stdout[-3000:]
-        said[config.name] = result.stdout
+        said[Path(config).name] = result.stdout
     assert "PROBLEM:" in said["broken.py"] and "PROBLEM:" not in said["nowhere.py"]
-    assert f"config file {tmp_path / 'nowhere.py'} does not exist" in said["nowhere.py"]
+    # a relative CONFIG is looked for in the folder run.sh was started in
+    assert f"looked for {tmp_path / 'nowhere.py'}" in said["nowhere.py"]

@@ -172,6 +172,7 @@ def encoded_face(path: Path, report: PackReport, landmarks=None, unaligned: str 
 def check_identity_folders(root: Path) -> None:
     """A DataError unless `root` is a folder with a subfolder per person, saying which
     of the usual mistakes it is."""
+    root = root.absolute()
     layout = f"pack needs one subfolder per person (e.g. {root}/alice/1.jpg)"
     if not root.exists():
         raise DataError(f"{root} does not exist; {layout}")
@@ -211,7 +212,7 @@ def read_landmarks(path: Path) -> dict[str, np.ndarray]:
     layout of IJB's *_name_5pts_score.txt (a 12th column, the detector's score, is
     allowed and ignored)."""
     if not path.is_file():
-        raise DataError(f"landmarks file {path} does not exist")
+        raise DataError(f"landmarks file {path.absolute()} does not exist")
     points = {}
     for number, line in enumerate(path.read_text().splitlines(), 1):
         fields = line.split()
@@ -329,7 +330,7 @@ def pack_list(lst: str | os.PathLike, root: str | os.PathLike, out_dir: str | os
     unaligned = unaligned_rule(crop, resize)
     lst, root = Path(lst), Path(root)
     if not lst.is_file():
-        raise DataError(f"list file {lst} does not exist")
+        raise DataError(f"list file {lst.absolute()} does not exist")
     entries = read_list(lst)
     if not entries:
         raise DataError(f"list file {lst} lists no images")

@@ -49,8 +49,9 @@ class RecordFile:
         self.rec_path, self.idx_path = Path(rec_path), Path(idx_path)
         for path, what in ((self.rec_path, "records"), (self.idx_path, "index")):
             if not path.is_file():
-                raise DataError(f"{path} is missing: the {what} file of the dataset. Pack the "
-                                "data with `python -m partial_fc_mx pack` or fix the path")
+                raise DataError(f"{path.absolute()} is missing: the {what} file of the "
+                                "dataset. Pack the data with `python -m partial_fc_mx pack` "
+                                "or fix the path")
         self.offsets = open_index(self.idx_path)
         self.size = self.rec_path.stat().st_size
         self._fd = os.open(self.rec_path, os.O_RDONLY)
@@ -125,8 +126,9 @@ class RecordDataset:
     def __init__(self, directory: str | os.PathLike, num_classes: int | None = None) -> None:
         self.directory = Path(directory)
         if not self.directory.is_dir():
-            raise DataError(f"dataset directory {self.directory} does not exist; set `rec` to "
-                            "the directory holding train.rec, train.idx and property")
+            raise DataError(f"dataset directory {self.directory.absolute()} does not exist; "
+                            "set `rec` to the directory holding train.rec, train.idx and "
+                            "property")
         self.records = RecordFile(self.directory / "train.rec", self.directory / "train.idx")
         self.has_header = False
         self.header_images: float | None = None
@@ -195,7 +197,7 @@ class RecordDataset:
         path = self.directory / "property"
         if not path.is_file():
             if expected is None:
-                raise DataError(f"{path} is missing and no num_classes was given; write "
+                raise DataError(f"{path.absolute()} is missing and no num_classes was given; write "
                                 "'num_classes,112,112' into it or set num_classes")
             return expected
         text = path.read_text().strip()

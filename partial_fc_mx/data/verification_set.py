@@ -68,7 +68,7 @@ def read_verification_bin(path: str | os.PathLike) -> tuple[list[bytes], np.ndar
     try:
         data = path.read_bytes()
     except FileNotFoundError:
-        raise DataError(f"verification set {path} does not exist") from None
+        raise DataError(f"verification set {path.absolute()} does not exist") from None
     try:
         content = _BinUnpickler(io.BytesIO(data), encoding="bytes").load()
     except Exception as error:
@@ -136,7 +136,7 @@ def read_pairs(path: Path) -> list[Pair]:
     a first line of one or two numbers, LFW's fold counts, is skipped) or plainly
     `path1 path2 1|0` (1: the same person)."""
     if not path.is_file():
-        raise DataError(f"pairs file {path} does not exist")
+        raise DataError(f"pairs file {path.absolute()} does not exist")
     pairs = []
     for number, line in enumerate(path.read_text().splitlines(), 1):
         fields, where = line.split(), f"{path} line {number}"
