@@ -74,6 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
     pack.add_argument("--root", default=".", help="base folder of the paths in a .lst")
     add_picture_options(pack, "of a folder (a .lst carries its own)")
     pack.add_argument("--verbose", action="store_true", help="list every skipped picture")
+    held = pack.add_argument_group("people held out of training (a folder only): their "
+                                   "pairs go into OUT/heldout.bin, a verification set")
+    held.add_argument("--heldout", type=int, default=0, metavar="K",
+                      help="hold out K people, drawn by --seed")
+    held.add_argument("--heldout-people", metavar="NAMES",
+                      help="hold out these person folders (comma-separated) instead")
+    held.add_argument("--pairs", type=int, default=3000,
+                      help="genuine pairs to draw at most (as many impostor pairs)")
+    held.add_argument("--seed", type=int, default=0, help="which people and pairs are drawn")
     make_bin = commands.add_parser(
         "make-bin", help="an insightface .bin verification set from your own pairs",
         description="PAIRS lists one pair per line: LFW's 'name n1 n2' (same person) and "
@@ -362,13 +371,21 @@ def plan_command(args: argparse.Namespace) -> int:
 
 # ----- datasets -----
 def pack_command(args: argparse.Namespace) -> int:
+    from .data.heldout import HELDOUT_BIN, pack_folder_holding_out
     from .data.pack import pack_folder, pack_list
 
+    named = [name.strip() for name in (args.heldout_people or "").split(",") if name.strip()]
+    held = None
     if args.src.endswith(".lst"):
-        if args.landmarks:
-            raise DataError("--landmarks is for a folder; a .lst carries the landmarks in "
-                            "its columns 8-17 (insightface's layout)")
+        if args.landmarks or args.heldout or named:
+            raise DataError("--landmarks and --heldout are for a folder; a .lst carries the "
+                            "landmarks in its columns 8-17 (insightface's layout), and "
+                            "`make-bin` makes a verification set from your own pairs")
         packed = pack_list(args.src, args.root, args.out, args.crop, args.resize)
+    elif args.heldout or named:
+        held = pack_folder_holding_out(args.src, args.out, args.heldout, named, args.pairs,
+                                       args.seed, args.crop, args.resize, args.landmarks)
+        packed = held.train
     else:
         packed = pack_folder(args.src, args.out, args.crop, args.resize, args.landmarks)
     aligned = f" ({packed.aligned} aligned from landmarks)" if packed.aligned else ""
@@ -378,6 +395,11 @@ def pack_command(args: argparse.Namespace) -> int:
         print(f"  skipped {path}: {why}")
     for line in packed.summary():
         print(f"  {line}")
+    if held:
+        print(f"{Path(args.out) / HELDOUT_BIN}: {held.pairs} pairs of {len(held.people)} "
+              f"people held out of training ({', '.join(held.people[:5])}"
+              f"{', ...' if len(held.people) > 5 else ''}); verify on them during training "
+              f"with val_targets = [\"{Path(HELDOUT_BIN).stem}\"] (read from <rec>/{HELDOUT_BIN})")
     return 0
 
 

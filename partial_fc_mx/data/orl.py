@@ -19,9 +19,9 @@ import cv2
 import numpy as np
 
 from . import DataError
+from .heldout import choose_people, write_pairs_bin
 from .pack import PackReport, write_records
 from .transforms import FACE_SIZE, encode_jpeg
-from .verification_set import sample_pairs, write_verification_bin
 
 WIDTH, HEIGHT = 92, 112
 PGM_HEADER = re.compile(rb"P5\s+(\d+)\s+(\d+)\s+(\d+)\s")
@@ -79,12 +79,11 @@ def prepare_orl(out_dir: str, heldout: int = 10, pairs: int = 450, seed: int = 0
     `pairs` genuine pairs of the held-out people (10 people: about 450, all there are)
     and as many impostor pairs. `seed` picks the held-out people and the pairs."""
     people, damaged = read_orl()
-    order = np.random.default_rng(seed).permutation(sorted(people))
-    held, train = sorted(order[:heldout].tolist()), sorted(order[heldout:].tolist())
+    held = choose_people(sorted(people), heldout, None, seed)
+    train = [person for person in sorted(people) if person not in held]
     samples = ((label, encode_jpeg(image)) for label, person in enumerate(train)
                for image in people[person])
     report = write_records(out_dir, samples, num_classes=len(train))
     held_images = [[encode_jpeg(image) for image in people[p]] for p in held]
-    images, issame = sample_pairs(held_images, pairs, np.random.default_rng(seed + 1))
-    write_verification_bin(Path(out_dir) / "orl_heldout.bin", images, issame)
-    return OrlReport(report, held, len(issame), damaged)
+    count = write_pairs_bin(Path(out_dir) / "orl_heldout.bin", held_images, pairs, seed)
+    return OrlReport(report, held, count, damaged)

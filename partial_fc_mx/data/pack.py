@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextlib
 import os
 import posixpath
-from collections.abc import Iterable, Iterator
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,15 +58,33 @@ class PackReport:
     """For each reason (a key of FIXES), the paths skipped for it."""
     aligned: int = 0
     """Pictures aligned from their landmarks."""
+    sizes: Counter = field(default_factory=Counter)
+    """How many pictures of each size ("92x112") were skipped as not FACE_SIZE."""
+    names: list = field(default_factory=list)
+    """The source's name of each label (a folder packer's person folders), if known."""
+    left_out: list = field(default_factory=list)
+    """The source's labels that got no image: not in the dataset, the others renumbered."""
 
     def skip(self, path: str, reason: str, why: str) -> None:
         self.skipped.append((path, why))
         self.reasons.setdefault(reason, []).append(path)
 
     def summary(self) -> list[str]:
-        """One line per reason: how many, two examples, and the option that fixes it."""
-        return [f"{len(paths)} skipped as {reason} (e.g. {', '.join(paths[:2])}); fix: "
-                f"{FIXES[reason]}" for reason, paths in self.reasons.items()]
+        """One line per reason: how many, two examples, and the option that fixes it;
+        then the classes left out for want of an image."""
+        lines = []
+        for reason, paths in self.reasons.items():
+            found = ", ".join(f"{size}: {n}" for size, n in self.sizes.most_common())
+            sizes = f"; sizes found: {found}" if reason == NOT_FACE_SIZE else ""
+            lines.append(f"{len(paths)} skipped as {reason} (e.g. {', '.join(paths[:2])}"
+                         f"{sizes}); fix: {FIXES[reason]}")
+        if self.left_out:
+            named = [self.names[label] if self.names else f"label {label}"
+                     for label in self.left_out]
+            lines.append(f"{len(named)} class(es) had no usable picture and are not in the "
+                         f"dataset ({', '.join(named[:5])}{', ...' if len(named) > 5 else ''}); "
+                         f"the other {self.classes} are numbered 0..{self.classes - 1} in order")
+        return lines
 
 
 def write_records(out_dir: str | os.PathLike, samples: Iterable[tuple[int, bytes]],
@@ -73,7 +92,9 @@ def write_records(out_dir: str | os.PathLike, samples: Iterable[tuple[int, bytes
     """Pack (label, encoded image) pairs, grouped by ascending label, into out_dir.
 
     Record 0 is the header (flag 2, label = (first identity record, end)); images
-    are records 1..N; then one record per class holding its image id range. The
+    are records 1..N; then one record per class holding its image id range. A label
+    without images would be a class nothing trains (and a `property` that overstates
+    the data): such labels are left out and the others renumbered in order. The
     counts go into `report` (where the sample source may note what it skipped).
     """
     out = Path(out_dir)
@@ -101,7 +122,7 @@ def write_images(tmp: dict, samples: Iterable[tuple[int, bytes]], num_classes: i
     """The records and property of write_records, under the temporary names `tmp`;
     returns the number of classes with images."""
     writer = mx.recordio.MXIndexedRecordIO(str(tmp["train.idx"]), str(tmp["train.rec"]), "w")
-    ranges, previous = {}, -1
+    ranges, previous, packed = {}, -1, {}
     with contextlib.closing(writer):
         writer.write_idx(0, header_record(0, 0))  # rewritten in place once counts are known
         for label, image in samples:
@@ -109,9 +130,10 @@ def write_images(tmp: dict, samples: Iterable[tuple[int, bytes]], num_classes: i
                 raise DataError(f"packing {out}: label {label} after {previous}; labels must "
                                 f"come grouped in ascending order within 0..{num_classes - 1}")
             report.images += 1
-            ranges.setdefault(label, [report.images, report.images + 1])[1] = report.images + 1
+            new_label = packed.setdefault(label, len(packed))
+            ranges.setdefault(new_label, [report.images, 0])[1] = report.images + 1
             writer.write_idx(report.images, mx.recordio.pack(
-                mx.recordio.IRHeader(0, label, 0, 0), image))
+                mx.recordio.IRHeader(0, new_label, 0, 0), image))
             previous = label
         if report.images == 0:
             why = "".join(f"\n  {line}" for line in report.summary())
@@ -122,7 +144,8 @@ def write_images(tmp: dict, samples: Iterable[tuple[int, bytes]], num_classes: i
         for i, (start, stop) in enumerate(sorted(ranges.values())):
             writer.write_idx(first_identity + i, header_record(start, stop))
     overwrite_header(tmp["train.rec"], header_record(first_identity, first_identity + len(ranges)))
-    tmp["property"].write_text(f"{num_classes},{FACE_SIZE},{FACE_SIZE}\n")
+    tmp["property"].write_text(f"{len(ranges)},{FACE_SIZE},{FACE_SIZE}\n")
+    report.left_out = sorted(set(range(num_classes)) - packed.keys())
     return len(ranges)
 
 
@@ -163,8 +186,10 @@ def encoded_face(path: Path, report: PackReport, landmarks=None, unaligned: str 
     elif unaligned == RESIZE:
         image = cv2.resize(image, (FACE_SIZE, FACE_SIZE), interpolation=cv2.INTER_AREA)
     else:
-        report.skip(str(path), NOT_FACE_SIZE, f"{image.shape[1]}x{image.shape[0]}, "
-                    f"{NOT_FACE_SIZE} (use --landmarks, --resize or --crop)")
+        size = f"{image.shape[1]}x{image.shape[0]}"
+        report.sizes[size] += 1
+        report.skip(str(path), NOT_FACE_SIZE, f"{size}, {NOT_FACE_SIZE} (use --landmarks, "
+                    "--resize or --crop)")
         return None
     return encode_jpeg(cv2.cvtColor(image, cv2.COLOR_BGR2RGB))
 
@@ -186,14 +211,19 @@ def check_identity_folders(root: Path) -> None:
         raise DataError(f"{root} holds {loose} picture(s) but no subfolders; {layout}")
 
 
-def folder_pictures(root: Path) -> tuple[list[tuple[int, str]], int]:
-    """(label, path relative to `root`) of every picture of one subfolder per identity
-    (sorted names -> labels 0..), and the number of identities: the folder is listed
-    once, and a picture costs one short string until it is packed."""
-    identities = sorted(p for p in root.iterdir() if p.is_dir())
-    pictures = [(label, f"{folder.name}/{path.name}") for label, folder in enumerate(identities)
-                for path in sorted(folder.iterdir()) if path.suffix.lower() in IMAGE_SUFFIXES]
-    return pictures, len(identities)
+def person_folders(root: Path) -> list[str]:
+    """The names of `root`'s subfolders, one per person, sorted; hidden ones (`.git`,
+    `.ipynb_checkpoints`) are not people."""
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def folder_pictures(root: Path, people: Sequence[str]) -> list[tuple[int, str]]:
+    """(label, path relative to `root`) of every picture of `people` (label: the
+    position in `people`): the folder is listed once, and a picture costs one short
+    string until it is packed."""
+    return [(label, f"{person}/{path.name}") for label, person in enumerate(people)
+            for path in sorted((root / person).iterdir())
+            if path.suffix.lower() in IMAGE_SUFFIXES]
 
 
 def picture_samples(pictures: list[tuple[int, str]], root: Path, report: PackReport,
@@ -308,19 +338,24 @@ def list_samples(entries: list[ListEntry], root: Path, report: PackReport,
 
 
 def pack_folder(src: str | os.PathLike, out_dir: str | os.PathLike, crop: bool = False,
-                resize: bool = False, landmarks: str | os.PathLike | None = None) -> PackReport:
-    """SRC/<identity>/<picture>, labels in sorted identity order; `landmarks` names a
-    file of 5 points per picture (paths relative to SRC); pictures without points that
-    are not FACE_SIZE x FACE_SIZE are center-cropped (`crop`), resized or skipped."""
+                resize: bool = False, landmarks: str | os.PathLike | None = None,
+                people: Sequence[str] | None = None,
+                report: PackReport | None = None) -> PackReport:
+    """SRC/<person>/<picture> of `people` (default: every person folder), labels in
+    their sorted order; `landmarks` names a file of 5 points per picture (paths
+    relative to SRC); pictures without points that are not FACE_SIZE x FACE_SIZE are
+    center-cropped (`crop`), resized or skipped. What is skipped adds to `report`."""
     unaligned = unaligned_rule(crop, resize)
     root = Path(src)
     check_identity_folders(root)
-    pictures, num_classes = folder_pictures(root)
+    people = sorted(person_folders(root) if people is None else people)
+    pictures = folder_pictures(root, people)
     points = read_landmarks(Path(landmarks)) if landmarks else {}
     matched_landmarks(points, [relative for _, relative in pictures], landmarks, root)
-    report = PackReport()
+    report = report or PackReport()
+    report.names = people
     return write_records(out_dir, picture_samples(pictures, root, report, points, unaligned),
-                         num_classes, report)
+                         len(people), report)
 
 
 def pack_list(lst: str | os.PathLike, root: str | os.PathLike, out_dir: str | os.PathLike,
