@@ -161,12 +161,13 @@ def learning_rate(run: Run) -> float:
 
 
 def finish(run: Run, trained: bool) -> None:
-    """After the last step: the closing evaluation when no step was left to train
-    (the last step evaluated otherwise), then the baseline if the config asks."""
+    """After the last step (evaluated by after_step): the baseline if the config asks.
+    A run resumed at its end has nothing to add: its last step was evaluated when it
+    was trained, before the checkpoint was saved."""
     if not trained:
-        run.log.info(f"nothing left to train: step {run.state.step} is the end of the run")
-        if run.config.val_targets:
-            evaluate(run)
+        run.log.info(f"nothing left to train: step {run.state.step} is the end of the run; "
+                     f"`python -m partial_fc_mx eval --model {run.work_dir}` evaluates it")
+        return
     if run.validator.sets and run.config.report_baseline:
         report_baseline(run)
 

@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from .data.loader import WaitTimer
 from .evaluation.verification import VerificationResult
-from .metrics import HUMAN_LINES, METRICS, human_line
+from .metrics import HUMAN_LINES, METRICS, human_line, last_logged_step
 
 
 class TrainingLog:
@@ -33,6 +33,7 @@ class TrainingLog:
         self.handlers: list[logging.Handler] = []
         if not enabled:
             return
+        logged_to = last_logged_step(work_dir)
         self.metrics = open_metrics(work_dir / METRICS)
         formatter = logging.Formatter("%(asctime)s %(message)s")
         self.handlers = [logging.FileHandler(work_dir / "training.log"),
@@ -44,6 +45,10 @@ class TrainingLog:
         if sys.stderr.isatty():
             self.bar = tqdm(total=total_steps, initial=first_step, unit="step")
         self.record({"kind": "start", "step": first_step}, {})
+        if logged_to > first_step:
+            self.info(f"resumed at step {first_step}: the lines above for steps "
+                      f"{first_step + 1}..{logged_to} are the stopped run's; those steps are "
+                      "trained again from here (plot and metrics.jsonl readers keep these)")
 
     def info(self, message: str) -> None:
         if self.enabled:

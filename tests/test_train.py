@@ -28,8 +28,10 @@ from conftest import (
     start,
     train_args,
 )
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from partial_fc_mx import checkpoint
+from partial_fc_mx.metrics import read_metrics
 
 
 def test_two_processes_learn_and_verify_better_on_unseen_identities(tmp_path, synthetic):
@@ -47,7 +49,15 @@ def test_two_processes_learn_and_verify_better_on_unseen_identities(tmp_path, sy
     assert after > before + 0.1, log["accuracy"]
     work = tmp_path / "work"
     assert (work / "backbone-symbol.json").is_file() and (work / "backbone-0000.params").is_file()
-    assert list((work / "tensorboard").glob("events.out.tfevents.*"))
+    # TensorBoard itself reads the event files: the same losses and accuracies
+    events = EventAccumulator(str(work / "tensorboard"))
+    events.Reload()
+    board_losses = {event.step: event.value for event in events.Scalars("loss")}
+    assert board_losses.keys() == log["losses"].keys()
+    assert np.allclose([board_losses[s] for s in steps], [log["losses"][s] for s in steps])
+    board_accuracy = [(e.step, e.value) for e in events.Scalars("verification/synthetic_heldout")]
+    assert [s for s, _ in board_accuracy] == [s for s, _ in log["accuracy"]]
+    assert np.allclose([a for _, a in board_accuracy], [a for _, a in log["accuracy"]])
     assert re.search(r"Speed [\d.]+ samples/sec   Loss [\d.]+   LearningRate [\d.]+   "
                      r"Epoch: \d+   Global Step: \d+   Required: [\d.]+ hours", log["text"])
     assert (work / "backbone.onnx").is_file() and (work / "backbone-best-symbol.json").is_file()
@@ -96,6 +106,29 @@ def test_resumed_run_repeats_the_uninterrupted_losses(tmp_path, synthetic, cente
     a, b = logged(tmp_path / "a")["losses"], logged(tmp_path / "b")["losses"]
     assert sorted(b) == list(range(5, 11))
     assert [b[s] for s in range(5, 11)] == [a[s] for s in range(5, 11)]
+
+
+def test_a_resume_in_the_same_work_dir_says_which_lines_are_redone(tmp_path, synthetic):
+    """Resumed from an earlier checkpoint into its own work dir, training.log says the
+    later step lines are the stopped run's, and the metrics keep one line of steps;
+    resumed at its end, a run trains and evaluates nothing again."""
+    config = config_file(tmp_path, synthetic, max_steps=4, save_every=2, keep_checkpoints=3,
+                         val_targets=["synthetic_heldout"])
+    work = tmp_path / "work"
+    assert run(train_args(config, work), timeout=600).returncode == 0
+    again = run(train_args(config, work, "--resume-from",
+                           str(work / "checkpoints" / "step_000002")), timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:]
+    text = logged(work)["text"]
+    assert "resumed at step 2: the lines above for steps 3..4 are the stopped run's" in text
+    assert len(re.findall(r"Global Step: 4\b", text)) == 2  # kept: the log is append-only
+    assert read_metrics(work)["step"] == [1, 2, 3, 4]
+    evaluations = len(logged(work)["accuracy"])
+    done = run(train_args(config, work, "--resume-from", str(work)), timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "nothing left to train: step 4 is the end of the run" in done.stdout
+    assert len(logged(work)["accuracy"]) == evaluations  # no second evaluation of step 4
+    assert "resumed at step 4:" not in logged(work)["text"]
 
 
 @pytest.mark.parametrize("before, after, optimizer, blocks", [
