@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="judge an MXNet 1.9.1 GPU wheel before installing it, e.g. "
                              "mxnet-cu117")
     judged.add_argument("--table", nargs="*", metavar="WHEEL_FILE",
-                        help="print the README's GPU support table, read from downloaded "
+                        help="print docs/installation.md's GPU support table, read from downloaded "
                              "mxnet-cuXXX wheels (or, without files, as recorded)")
     model = commands.add_parser("model", help="parameter count and FLOPs of a backbone")
     model.set_defaults(func=model_command)
@@ -298,7 +298,7 @@ def mxnet_load_problem() -> str | None:
         import horovod.mxnet  # noqa: F401
     except (ImportError, OSError) as error:
         return (f"{error}; run `bash setup-utils/install.sh` (it builds Horovod with MXNet "
-                "support; a GPU wheel also needs the CUDA libraries, see README)")
+                "support; a GPU wheel also needs the CUDA libraries, see docs/installation.md)")
     return None
 
 

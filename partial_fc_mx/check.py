@@ -140,7 +140,7 @@ def check_gpu_driver() -> list[str]:
         return [f"MXNet is built for CUDA {built_for[0]}.{built_for[1]} but the driver "
                 f"supports only CUDA {driver[0]}.{driver[1]}; upgrade the driver (CUDA "
                 f"{built_for[0]}.{built_for[1]}: {gpu_support.driver_for(built_for)}) or "
-                "install an older mxnet-cuXXX (README, 'GPU support')"]
+                "install an older mxnet-cuXXX (docs/installation.md, 'GPU support')"]
     if cuda_enabled and mx.context.num_gpus() == 0:
         return ["MXNet is a CUDA build but sees no GPU; check CUDA_VISIBLE_DEVICES and nvidia-smi"]
     return []

@@ -16,11 +16,19 @@ from . import config
 
 HEADER = """# Configuration keys
 
+Most people need: copy a shipped config (below) or write your own with the keys you
+change; `_base_ = "orl.py"` starts from a shipped one. Every key, its type, default
+and meaning is in the tables further down.
+
 A config is a Python file of `key = value` lines (`configs/*.py`); `_base_ = "other.py"`
 takes another's values first (found beside the config, then in `configs/`), and
 `key=value` words on the command line override both (`python -m partial_fc_mx train
-configs/orl.py batch_size=32`, `bash config.sh sample_rate=0.1`). An unknown key is
-an error that suggests the nearest one.
+configs/orl.py batch_size=32`, `bash config.sh sample_rate=0.1`). Unknown keys (with a
+did-you-mean) and values of the wrong type are errors, and so are values that would
+fail later or on one rank only: `verbose`, `frequent`, `batch_size`, `lr` ... <= 0,
+negative `max_steps`, `save_every` or `warmup_epoch`, a margin outside `m1 >= 1,
+0 <= m2 < pi, 0 <= m3 < 2, scale > 0`, an unknown `network`, and (at start, on every
+rank) a `sample_rate` that gives a process no center to sample.
 
 Relative paths (the config file, `rec`, `output` or `--work-dir`, `HOSTFILE`) are taken
 from the folder you launch from, by every entry point: `config.sh` and `run.sh` do not
@@ -28,6 +36,22 @@ change folder, and `run.sh` starts every process in it (`mpirun -wdir`). A path 
 does not exist is reported as the absolute path that was looked for. The work dir
 defaults to `work_dirs/<config file name>` in that folder; a `val_targets` name `lfw`
 is read from `<rec>/lfw.bin`.
+
+**Config files are Python code**: loading one runs it, with your permissions. Use
+only config files you trust, as you would any script. Data, checkpoints and
+verification sets are never executed (training.md, evaluation.md).
+
+| config | data (sample_rate) | network | loss |
+|---|---|---|---|
+| `orl.py` (default) | AT&T/ORL faces, 30 training identities | tiny | ArcFace |
+| `ms1mv3_r50.py`, `ms1mv3_r100.py` | MS1MV3, 93,431 ids | r50, r100 | ArcFace |
+| `ms1mv3_r50_cosface.py`, `ms1mv3_r50_adaface.py` | MS1MV3 | r50 | CosFace, AdaFace |
+| `glint360k_r50.py`, `glint360k_r100.py` | Glint360K, 360,232 ids (0.1) | r50, r100 | CosFace |
+| `glint360k_r100_arcface.py` | Glint360K (0.1) | r100 | ArcFace |
+| `webface4m_r50.py` | WebFace4M, 205,990 ids (0.3) | r50 | ArcFace |
+| `webface42m_r100.py` | WebFace42M, 2,059,906 ids (0.2) | r100 | ArcFace |
+| `random_1m_r50.py`, `random_10m_r50.py` | random tensors, 1M / 10M ids (0.1) | r50 | ArcFace |
+| `synthetic_sampling.py` | synthetic look-alike ids (docs/sampling.md) | tiny | ArcFace |
 
 Generated from `partial_fc_mx/config.py` by `python -m partial_fc_mx.config_reference`.
 """

@@ -166,7 +166,7 @@ def verdict(gpu: Gpu, fatbinaries: Counter[Fatbinary], build: str) -> Line:
                 f"{cap} and the first such kernel would fail with 'no kernel image is available "
                 f"for execution on the device'. Options: GPUs it has code for "
                 f"({supported_examples(fatbinaries)}), or MXNet built from source with a CUDA "
-                f"that knows {cap} (README: 'Hopper and newer GPUs')", problem=True)
+                f"that knows {cap} (docs/installation.md: 'Hopper and newer GPUs')", problem=True)
 
 
 EXAMPLE_GPUS = {  # compute capability -> GPUs users rent or own
@@ -242,7 +242,7 @@ MXNET_191_WHEELS = {wheel.package: wheel for wheel in (
 
 
 def render_table(wheels: list[Wheel]) -> str:
-    """The README's GPU support table."""
+    """The GPU support table of docs/installation.md."""
     rows = ["| wheel (1.9.1) | CUDA | driver (Linux) | SASS | PTX | GPUs it runs on |",
             "|---|---|---|---|---|---|"]
     for wheel in wheels:
@@ -259,7 +259,8 @@ def wheel_advice(gpu: Gpu) -> str:
     runs = [w.package for w in MXNET_191_WHEELS.values() if runs_on(gpu.capability, w.fatbinaries)]
     if runs:
         return f"the GPU wheels that run on it: {', '.join(runs)} (MXNET_PACKAGE=...)"
-    return "no MXNet 1.9.1 GPU wheel has code for it (README: 'Hopper and newer GPUs')"
+    return ("no MXNet 1.9.1 GPU wheel has code for it (docs/installation.md: 'Hopper and "
+            "newer GPUs')")
 
 
 # ----- the installed MXNet -----

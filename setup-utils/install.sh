@@ -10,7 +10,7 @@
 #   MXNET_PACKAGE   mxnet (CPU, default) or a GPU build mxnet-cu101 ... mxnet-cu117 (all
 #                   version 1.9.1). A GPU build is refused, before anything is installed,
 #                   on a machine with a GPU it has no kernels for (H100/H200 and newer:
-#                   README, "GPU support"); it is checked again once installed.
+#                   docs/installation.md, "GPU support"); it is checked again once installed.
 #   VENV            where the virtual environment goes (default: <repo>/.venv)
 #   PFC_CACHE_DIR   where built Horovod wheels are kept for reuse
 #                   (default: ~/.cache/partial_fc_mx)
@@ -48,7 +48,7 @@ refuse_undriven_gpus() {
   "$@" || status=$?
   case $status in
     0) ;;
-    3) die "$mxnet_package cannot run on this machine's GPUs (the PROBLEM above); stopped $when. README, \"GPU support\", lists which wheel runs on which GPU." ;;
+    3) die "$mxnet_package cannot run on this machine's GPUs (the PROBLEM above); stopped $when. docs/installation.md, \"GPU support\", lists which wheel runs on which GPU." ;;
     *) die "the GPU check itself failed (exit $status, above); stopped $when" ;;
   esac
 }

@@ -142,3 +142,29 @@ def test_run_sh_says_why_its_preflight_stopped(tmp_path):
     assert "PROBLEM:" in said["broken.py"] and "PROBLEM:" not in said["nowhere.py"]
     # a relative CONFIG is looked for in the folder run.sh was started in
     assert f"looked for {tmp_path / 'nowhere.py'}" in said["nowhere.py"]
+
+
+def test_slurm_script_finds_the_repository_when_submitted_from_elsewhere(tmp_path):
+    """sbatch runs a copy of the script from Slurm's spool: submitted from the user's
+    folder it must be told where the repository is, and says so; told, srun starts
+    the repository's config.sh (a stub srun records what it was given)."""
+    import os
+
+    repo = Path(__file__).resolve().parent.parent
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "srun").write_text('#!/bin/sh\necho "srun $* CONFIG=$CONFIG PFC_COMMAND=$PFC_COMMAND"'
+                                ' >> "$SRUN_LOG"\n')
+    (stubs / "srun").chmod(0o755)
+    env = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}",
+           "SRUN_LOG": str(tmp_path / "srun.log"), "SLURM_SUBMIT_DIR": str(tmp_path)}
+    script = str(repo / "setup-utils" / "slurm.sbatch")
+    lost = run(["bash", script], env=env, cwd=tmp_path)
+    assert lost.returncode == 2 and f"no config.sh in {tmp_path}" in lost.stdout
+    told = run(["bash", script, "lr=0.2"], env={**env, "PFC_REPO": str(repo),
+                                                "CONFIG": "mine.py"}, cwd=tmp_path)
+    assert told.returncode == 0, told.stdout
+    calls = (tmp_path / "srun.log").read_text().splitlines()
+    assert calls == [f"srun --mpi=pmix bash {repo}/config.sh lr=0.2 CONFIG=mine.py "
+                     "PFC_COMMAND=check",
+                     f"srun --mpi=pmix bash {repo}/config.sh lr=0.2 CONFIG=mine.py PFC_COMMAND="]

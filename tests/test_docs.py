@@ -140,3 +140,6 @@ def test_the_configuration_page_is_generated_from_config_and_lists_every_key():
     undocumented = [key for _, keys in sections() for key, _, _, meaning in keys if not meaning]
     assert not undocumented, f"say what these keys mean in config.py: {undocumented}"
     assert "| `val_targets` | list | `[]` | Verification sets: names looked up as " in page
+    shipped = sorted(path.name for path in (REPO / "configs").glob("*.py"))
+    missing = [name for name in shipped if f"`{name}`" not in page]
+    assert not missing, f"add these configs to the table in config_reference.HEADER: {missing}"
