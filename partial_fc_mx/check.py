@@ -60,6 +60,10 @@ def run_check(config: Config | None, checkpoint: str | None = None) -> int:
         ctx, gpu, mine = None, None, [str(error)]
     need = None
     if config is not None:
+        try:  # what training refuses at start on this many processes
+            config.check_world_size(world.size)
+        except UserError as error:
+            mine.append(str(error))
         try:
             need = estimate_run_memory(config, world.size, world.rank, ctx or mx.cpu())
         except (UserError, mx.base.MXNetError) as error:

@@ -56,6 +56,14 @@ def test_missing_dataset_names_the_file(tmp_path, dataset):
     assert f"dataset directory {tmp_path / 'nowhere'} does not exist" in missing_dir.stdout
 
 
+def test_a_sample_rate_training_would_refuse_is_a_problem(tmp_path, dataset):
+    config = write_config(tmp_path, dataset, 5, extra="sample_rate = 0.1\n")
+    result = run(python_module("check", str(config)))
+    assert result.returncode == 1, result.stdout
+    assert "PROBLEM: rank 0" in result.stdout and "sample_rate=0.1 samples 0 of the 5" in \
+        result.stdout and "Use sample_rate >= 0.2" in result.stdout
+
+
 def test_bad_files_are_named(tmp_path, dataset):
     (dataset / "train.rec").write_bytes(b"not a record file")
     config = write_config(tmp_path, dataset, 5, extra="val_targets = ['lfw']\n")
