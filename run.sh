@@ -8,7 +8,7 @@
 # Relative paths (CONFIG, HOSTFILE, rec, --work-dir) are taken from the folder it is
 # launched in, on every host.
 set -euo pipefail
-root=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)  # -P: as realpath spells it below
 NP=${NP:-2}
 CONFIG=${CONFIG:-$root/configs/orl.py}
 HOSTFILE=${HOSTFILE:-}

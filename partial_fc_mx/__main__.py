@@ -76,11 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     pack.add_argument("--verbose", action="store_true", help="list every skipped picture")
     held = pack.add_argument_group("people held out of training (a folder only): their "
                                    "pairs go into OUT/heldout.bin, a verification set")
-    held.add_argument("--heldout", type=int, default=0, metavar="K",
-                      help="hold out K people, drawn by --seed")
-    held.add_argument("--heldout-people", metavar="NAMES",
-                      help="hold out these person folders (comma-separated) instead")
-    held.add_argument("--pairs", type=int, default=3000,
+    who = held.add_mutually_exclusive_group()
+    who.add_argument("--heldout", type=at_least(0), default=0, metavar="K",
+                     help="hold out K people with two pictures or more, drawn by --seed")
+    who.add_argument("--heldout-people", metavar="NAMES",
+                     help="hold out these person folders (comma-separated) instead")
+    held.add_argument("--pairs", type=at_least(5), default=3000,
                       help="genuine pairs to draw at most (as many impostor pairs)")
     held.add_argument("--seed", type=int, default=0, help="which people and pairs are drawn")
     make_bin = commands.add_parser(
@@ -219,6 +220,16 @@ def add_picture_options(command: argparse.ArgumentParser, whose: str) -> None:
                            "pictures without landmarks that are not 112x112")
     unaligned.add_argument("--resize", action="store_true", help="resize pictures without "
                            "landmarks that are not 112x112 (no crop)")
+
+
+def at_least(low: int):
+    """An argparse type: a whole number >= low."""
+    def whole(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{text} is less than {low}")
+        return value
+    return whole
 
 
 def fraction(text: str) -> float:
@@ -388,6 +399,10 @@ def pack_command(args: argparse.Namespace) -> int:
         packed = held.train
     else:
         packed = pack_folder(args.src, args.out, args.crop, args.resize, args.landmarks)
+    stale = Path(args.out) / HELDOUT_BIN
+    if held is None and stale.exists():  # its people may be among those just packed
+        stale.unlink()
+        print(f"removed {stale}: an earlier pack's held-out people, who may now be trained on")
     aligned = f" ({packed.aligned} aligned from landmarks)" if packed.aligned else ""
     print(f"{args.out}: {packed.images} images of {packed.classes} classes{aligned}, "
           f"{len(packed.skipped)} skipped")

@@ -32,8 +32,9 @@ rank) a `sample_rate` that gives a process no center to sample.
 
 Relative paths (the config file, `rec`, `output` or `--work-dir`, `HOSTFILE`) are taken
 from the folder you launch from, by every entry point: `config.sh` and `run.sh` do not
-change folder, and `run.sh` starts every process in it (`mpirun -wdir`). A path that
-does not exist is reported as the absolute path that was looked for. The work dir
+change folder, and `run.sh` starts every process in it (`mpirun -wdir`; with horovodrun
+or srun keep that folder on every host, or use absolute paths). A path that does not
+exist is reported as the absolute path that was looked for. The work dir
 defaults to `work_dirs/<config file name>` in that folder; a `val_targets` name `lfw`
 is read from `<rec>/lfw.bin`.
 

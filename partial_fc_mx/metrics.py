@@ -93,6 +93,7 @@ def read_metrics(work_dir: str | Path) -> dict:
 def last_logged_step(work_dir: str | Path) -> int:
     """The last step the work dir's metrics.jsonl has a record of (0: none): a run
     resumed from an earlier checkpoint trains the steps after its own again."""
-    if not (Path(work_dir) / METRICS).is_file():
+    try:
+        return max(read_metrics(work_dir)["step"], default=0)
+    except (OSError, ValueError, KeyError, TypeError):  # none, or not ours: nothing to say
         return 0
-    return max(read_metrics(work_dir)["step"], default=0)

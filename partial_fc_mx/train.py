@@ -97,7 +97,7 @@ def train(config: Config, resume_from: str | None = None, load_from: str | None 
                     return stop.exit_code
                 if due.done:
                     break
-            watchdog.restart()  # the closing evaluation too
+            watchdog.restart()  # finish's evaluation and baseline too
             finish(run, trained=run.state.step > first_step)
             return 0
 
@@ -161,13 +161,15 @@ def learning_rate(run: Run) -> float:
 
 
 def finish(run: Run, trained: bool) -> None:
-    """After the last step (evaluated by after_step): the baseline if the config asks.
-    A run resumed at its end has nothing to add: its last step was evaluated when it
-    was trained, before the checkpoint was saved."""
+    """After the last step: its evaluation if no step was trained and the checkpoint's
+    step was not evaluated (saved on a signal, or resumed past it on more processes),
+    then the baseline if the config asks. A run resumed at an evaluated end adds
+    nothing: no second evaluation of the same model."""
     if not trained:
-        run.log.info(f"nothing left to train: step {run.state.step} is the end of the run; "
-                     f"`python -m partial_fc_mx eval --model {run.work_dir}` evaluates it")
-        return
+        run.log.info(f"nothing left to train: step {run.state.step} is the end of the run")
+        if not run.config.val_targets or run.validator.evaluated_step == run.state.step:
+            return
+        evaluate(run)
     if run.validator.sets and run.config.report_baseline:
         report_baseline(run)
 
@@ -379,6 +381,7 @@ def evaluate(run: Run) -> None:
 
     dist.run_agreed(on_main, "evaluate", (UserError,), TrainingError,
                     f"evaluation at step {step} failed", on=run.world.is_main)
+    run.validator.evaluated_step = step
 
 
 def report_baseline(run: Run) -> None:

@@ -33,7 +33,7 @@ class TrainingLog:
         self.handlers: list[logging.Handler] = []
         if not enabled:
             return
-        logged_to = last_logged_step(work_dir)
+        logged_to = last_logged_step(work_dir) if first_step else 0
         self.metrics = open_metrics(work_dir / METRICS)
         formatter = logging.Formatter("%(asctime)s %(message)s")
         self.handlers = [logging.FileHandler(work_dir / "training.log"),

@@ -14,7 +14,7 @@ from conftest import python_module, run
 
 from partial_fc_mx.data import DataError
 from partial_fc_mx.data.heldout import choose_people, pack_folder_holding_out
-from partial_fc_mx.data.pack import pack_folder
+from partial_fc_mx.data.pack import pack_folder, pack_list
 from partial_fc_mx.data.recordio import RecordDataset
 from partial_fc_mx.data.verification_set import read_verification_bin
 
@@ -63,7 +63,7 @@ def test_unusable_sizes_and_empty_people_do_not_enter_property(tmp_path):
     assert labels == [0, 1]
     lines = "\n".join(report.summary())
     assert "sizes found: 92x112: 2, 200x240: 2" in lines
-    assert "3 class(es) had no usable picture and are not in the dataset (q2, q3, zz_empty)" \
+    assert "3 class(es) have no image and are not in the dataset (q2, q3, zz_empty)" \
         in lines and "the other 2 are numbered 0..1" in lines
     assert ".cache" not in report.names  # a hidden folder is not a person
 
@@ -102,10 +102,28 @@ def test_heldout_people_by_name_and_the_mistakes(tmp_path):
     with pytest.raises(DataError, match="cannot hold out 7 of 7 people"):
         choose_people(people, 7, None, seed=0)
     # held-out people without usable pictures (not 112x112, no --resize): nothing written
-    with pytest.raises(DataError, match="held-out people have too few usable pictures"):
+    with pytest.raises(DataError, match=r"give 0 pairs, and verification needs 10"):
         pack_folder_holding_out(source, tmp_path / "rec", 0, ["p03", "p04"])
+    # two people of 2 pictures give 2 genuine and 2 impostor pairs: too few for 10 folds
+    for person in ("r1", "r2"):
+        (source / person).mkdir()
+        for k in range(2):
+            cv2.imwrite(str(source / person / f"{k}.png"), np.full((112, 112, 3), k, np.uint8))
+    with pytest.raises(DataError, match=r"\[2, 2\] per person with any\) give 4 pairs"):
+        pack_folder_holding_out(source, tmp_path / "rec", 0, ["r1", "r2"])
     assert not (tmp_path / "rec").exists()
 
+
+@pytest.mark.parametrize("seed", range(6))
+def test_people_are_drawn_among_those_with_two_pictures(tmp_path, seed):
+    source = photo_folders(tmp_path / "faces", small=0, large=6, per_person=3, seed=seed)
+    for name in ("e1", "e2", "e3"):
+        (source / name).mkdir()
+    cv2.imwrite(str(source / "e3" / "0.png"), np.zeros((112, 112, 3), np.uint8))
+    held = pack_folder_holding_out(source, tmp_path / "rec", 3, pairs=20, seed=seed,
+                                   resize=True)
+    assert len(held.people) == 3 and all(p.startswith("p") for p in held.people)
+    assert held.pairs >= 10
 
 def test_pack_command_prints_the_next_step(tmp_path):
     source = photo_folders(tmp_path / "faces", small=4, large=4)
@@ -118,3 +136,29 @@ def test_pack_command_prints_the_next_step(tmp_path):
     assert (tmp_path / "rec" / "heldout.bin").is_file()
     listed = run(python_module("pack", "x.lst", "rec2", "--heldout", "2"), cwd=tmp_path)
     assert listed.returncode == 2 and "--heldout are for a folder" in listed.stdout
+    # a pack without held-out people removes an earlier one's heldout.bin
+    again = run(python_module("pack", str(source), "rec", "--resize"), cwd=tmp_path)
+    assert again.returncode == 0 and "removed rec/heldout.bin" in again.stdout
+    assert not (tmp_path / "rec" / "heldout.bin").exists()
+    for wrong, says in ((["--heldout", "-1"], "-1 is less than 0"),
+                        (["--pairs", "4"], "4 is less than 5"),
+                        (["--heldout", "2", "--heldout-people", "p01,p02"], "not allowed with")):
+        refused = run(python_module("pack", str(source), "rec3", *wrong), cwd=tmp_path)
+        assert refused.returncode == 2 and says in refused.stdout, refused.stdout
+
+
+def test_a_list_with_label_gaps_is_renumbered(tmp_path):
+    """A .lst whose labels skip 1 and 3: property counts 3 classes, labels 0..2 in order."""
+    faces = tmp_path / "faces"
+    faces.mkdir()
+    lines = []
+    for index, label in enumerate([0, 0, 2, 4, 4]):
+        cv2.imwrite(str(faces / f"{index}.png"), np.full((112, 112, 3), 50 * index, np.uint8))
+        lines.append(f"{index}\t{label}\t{index}.png")
+    (tmp_path / "train.lst").write_text("\n".join(lines) + "\n")
+    report = pack_list(tmp_path / "train.lst", faces, tmp_path / "rec")
+    dataset = RecordDataset(tmp_path / "rec")
+    labels = [dataset.records.read(int(i)).label for i in dataset.image_ids]
+    assert dataset.num_classes == report.classes == 3 and labels == [0, 0, 1, 2, 2]
+    assert "2 class(es) have no image and are not in the dataset (label 1, label 3)" \
+        in "\n".join(report.summary())

@@ -129,6 +129,15 @@ def test_a_resume_in_the_same_work_dir_says_which_lines_are_redone(tmp_path, syn
     assert "nothing left to train: step 4 is the end of the run" in done.stdout
     assert len(logged(work)["accuracy"]) == evaluations  # no second evaluation of step 4
     assert "resumed at step 4:" not in logged(work)["text"]
+    # a checkpoint whose step was not evaluated (a periodic save, a save on a signal)
+    # is evaluated once when the run resumed from it has nothing left to train
+    shorter = config_file(tmp_path, synthetic, name="shorter.py", max_steps=2,
+                          val_targets=["synthetic_heldout"])
+    ended = run(train_args(shorter, tmp_path / "ended", "--resume-from",
+                           str(work / "checkpoints" / "step_000002")), timeout=600)
+    assert ended.returncode == 0, ended.stdout[-3000:]
+    assert "nothing left to train: step 2" in ended.stdout
+    assert [step for step, _ in logged(tmp_path / "ended")["accuracy"]] == [2]
 
 
 @pytest.mark.parametrize("before, after, optimizer, blocks", [

@@ -24,7 +24,7 @@ from .pack import (
     read_landmarks,
     unaligned_rule,
 )
-from .verification_set import sample_pairs, write_verification_bin
+from .verification_set import FOLDS, sample_pairs, write_verification_bin
 
 HELDOUT_BIN = "heldout.bin"
 """The verification set `pack --heldout` writes beside train.rec: `val_targets = ["heldout"]`."""
@@ -38,10 +38,11 @@ class HeldoutReport:
     pairs: int
 
 
-def choose_people(people: Sequence, count: int, named: Sequence[str] | None,
-                  seed: int) -> list:
-    """The people to hold out, sorted: those `named`, else `count` drawn by `seed`.
-    Two at least (an impostor pair needs two people), and someone left to train on."""
+def choose_people(people: Sequence, count: int, named: Sequence[str] | None, seed: int,
+                  drawable: Sequence | None = None) -> list:
+    """The people to hold out, sorted: those `named`, else `count` drawn by `seed` from
+    `drawable` (default: everyone). Two at least (an impostor pair needs two people),
+    and someone left to train on."""
     if named:
         unknown = [name for name in named if name not in people]
         if unknown:
@@ -52,23 +53,33 @@ def choose_people(people: Sequence, count: int, named: Sequence[str] | None,
                             + (", ..." if len(people) > 8 else ""))
         chosen = sorted(set(named))
     else:
-        order = np.random.default_rng(seed).permutation(len(people))
-        chosen = sorted(people[i] for i in order[:count])
+        pool = list(people if drawable is None else drawable)
+        if not 2 <= count <= len(pool):
+            raise DataError(f"cannot hold out {count} of {len(pool)} people who could be "
+                            "drawn (two pictures or more): a verification set needs two "
+                            "people at least")
+        order = np.random.default_rng(seed).permutation(len(pool))
+        chosen = sorted(pool[i] for i in order[:count])
     if len(chosen) < 2 or len(chosen) >= len(people):
         raise DataError(f"cannot hold out {len(chosen)} of {len(people)} people: a "
                         "verification set needs two people at least, and training one more")
     return chosen
 
 
-def pairable(groups: list[list[bytes]], path: str | os.PathLike) -> list[list[bytes]]:
-    """The people of `groups` (each person's encoded pictures) who have pictures: two
-    of them at least, one with two pictures, or the .bin at `path` could hold no
-    impostor or no genuine pair."""
+def pairable(groups: list[list[bytes]], pairs: int,
+             path: str | os.PathLike) -> list[list[bytes]]:
+    """The people of `groups` (each person's encoded pictures) who have pictures, if
+    they give the .bin at `path` the FOLDS pairs the verification protocol needs at
+    least (up to `pairs` genuine ones and as many impostor ones)."""
     groups = [pictures for pictures in groups if pictures]
-    if len(groups) < 2 or not any(len(pictures) > 1 for pictures in groups):
-        raise DataError(f"{Path(path).absolute()}: the held-out people have too few usable "
-                        f"pictures for pairs ({sorted(map(len, groups))} per person with any); "
-                        "hold out others, or more, or fix their pictures")
+    sizes = [len(pictures) for pictures in groups]
+    genuine = min(pairs, sum(n * (n - 1) // 2 for n in sizes))
+    impostor = min(genuine, (sum(sizes) ** 2 - sum(n * n for n in sizes)) // 2)
+    if genuine + impostor < FOLDS:
+        raise DataError(f"{Path(path).absolute()}: the held-out people's usable pictures "
+                        f"({sorted(sizes)} per person with any) give {genuine + impostor} "
+                        f"pairs, and verification needs {FOLDS} at least; hold out more "
+                        "people, or ones with more pictures, or raise --pairs")
     return groups
 
 
@@ -76,7 +87,7 @@ def write_pairs_bin(path: str | os.PathLike, groups: list[list[bytes]], pairs: i
                     seed: int) -> int:
     """Up to `pairs` genuine and as many impostor pairs of the people's pictures
     (`groups`: each person's encoded pictures) into the .bin at `path`; the count."""
-    images, issame = sample_pairs(pairable(groups, path), pairs,
+    images, issame = sample_pairs(pairable(groups, pairs, path), pairs,
                                   np.random.default_rng(seed + 1))
     write_verification_bin(path, images, issame)
     return len(issame)
@@ -92,7 +103,10 @@ def pack_folder_holding_out(src: str | os.PathLike, out_dir: str | os.PathLike, 
     root = Path(src)
     check_identity_folders(root)
     people = person_folders(root)
-    held = choose_people(people, count, named, seed)
+    listed = folder_pictures(root, people)
+    pictures = np.bincount([label for label, _ in listed], minlength=len(people))
+    held = choose_people(people, count, named, seed,
+                         drawable=[p for p, n in zip(people, pictures) if n >= 2])
     report = PackReport()
     points = read_landmarks(Path(landmarks)) if landmarks else {}
     groups: list[list[bytes]] = [[] for _ in held]
@@ -100,7 +114,7 @@ def pack_folder_holding_out(src: str | os.PathLike, out_dir: str | os.PathLike, 
                                         unaligned_rule(crop, resize)):
         groups[label].append(image)
     bin_path = Path(out_dir) / HELDOUT_BIN
-    pairable(groups, bin_path)  # before the training data is written
+    pairable(groups, pairs, bin_path)  # before the training data is written
     train = pack_folder(root, out_dir, crop, resize, landmarks,
                         people=[p for p in people if p not in held], report=report)
     return HeldoutReport(train, held, write_pairs_bin(bin_path, groups, pairs, seed))

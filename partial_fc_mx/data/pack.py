@@ -62,8 +62,11 @@ class PackReport:
     """How many pictures of each size ("92x112") were skipped as not FACE_SIZE."""
     names: list = field(default_factory=list)
     """The source's name of each label (a folder packer's person folders), if known."""
-    left_out: list = field(default_factory=list)
-    """The source's labels that got no image: not in the dataset, the others renumbered."""
+    left_out: int = 0
+    """How many of the source's labels got no image: not in the dataset, the others
+    renumbered in order."""
+    left_out_examples: list = field(default_factory=list)
+    """The first few of them."""
 
     def skip(self, path: str, reason: str, why: str) -> None:
         self.skipped.append((path, why))
@@ -80,10 +83,11 @@ class PackReport:
                          f"{sizes}); fix: {FIXES[reason]}")
         if self.left_out:
             named = [self.names[label] if self.names else f"label {label}"
-                     for label in self.left_out]
-            lines.append(f"{len(named)} class(es) had no usable picture and are not in the "
-                         f"dataset ({', '.join(named[:5])}{', ...' if len(named) > 5 else ''}); "
-                         f"the other {self.classes} are numbered 0..{self.classes - 1} in order")
+                     for label in self.left_out_examples]
+            more = ", ..." if self.left_out > len(named) else ""
+            lines.append(f"{self.left_out} class(es) have no image and are not in the "
+                         f"dataset ({', '.join(named)}{more}); the other {self.classes} "
+                         f"are numbered 0..{self.classes - 1} in order")
         return lines
 
 
@@ -145,8 +149,21 @@ def write_images(tmp: dict, samples: Iterable[tuple[int, bytes]], num_classes: i
             writer.write_idx(first_identity + i, header_record(start, stop))
     overwrite_header(tmp["train.rec"], header_record(first_identity, first_identity + len(ranges)))
     tmp["property"].write_text(f"{len(ranges)},{FACE_SIZE},{FACE_SIZE}\n")
-    report.left_out = sorted(set(range(num_classes)) - packed.keys())
+    report.left_out = num_classes - len(packed)
+    report.left_out_examples = missing_labels(packed, num_classes, 5)
     return len(ranges)
+
+
+def missing_labels(present: Iterable[int], num_classes: int, count: int) -> list[int]:
+    """The first `count` labels of 0..num_classes-1 not in `present`, without listing
+    them all (a .lst's one stray label may be in the billions)."""
+    missing, expected = [], 0
+    for label in [*sorted(present), num_classes]:
+        missing += range(expected, min(label, expected + count - len(missing)))
+        if len(missing) >= count:
+            break
+        expected = label + 1
+    return missing
 
 
 def header_record(first: int, end: int) -> bytes:

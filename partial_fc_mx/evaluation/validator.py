@@ -29,6 +29,10 @@ class Validator:
         """The last accuracy of each set."""
         self.best_accuracy = -1.0
         self.best_step = 0
+        self.evaluated_step: int | None = None
+        """The step whose model was last evaluated, kept on every rank (the trainer
+        sets it) and in checkpoints: a run resumed at its end evaluates only if its
+        last step was not (a save on a signal skips the evaluation)."""
 
     def evaluate(self, forward, step: int) -> dict[str, VerificationResult]:
         """Every set's result for the model `forward` (images -> embeddings) at `step`."""
@@ -50,13 +54,16 @@ class Validator:
         return mean
 
     def state_dict(self) -> dict:
-        return {"best_accuracy": self.best_accuracy, "best_step": self.best_step}
+        return {"best_accuracy": self.best_accuracy, "best_step": self.best_step,
+                "evaluated_step": self.evaluated_step}
 
     def load_state_dict(self, state: dict) -> None:
         """A checkpoint's best, or backbone-best.json's when that one is better (found
         after the checkpoint was written)."""
         self.best_accuracy, self.best_step = max(
             (float(state["best_accuracy"]), int(state["best_step"])), self.best_on_disk())
+        evaluated = state.get("evaluated_step")  # None in checkpoints written before it
+        self.evaluated_step = None if evaluated is None else int(evaluated)
 
     def best_on_disk(self) -> tuple[float, int]:
         """(accuracy, step) of backbone-best.json, (-1, 0) when there is none."""
