@@ -156,7 +156,8 @@ def test_the_validator_keeps_the_best_model_and_its_record_across_a_resume(tmp_p
     assert json.loads(record.read_text()) == {"accuracy": pytest.approx(0.7), "step": 2}
     validator.accuracy = {"a": 0.9, "b": 0.5}  # equal mean: not better
     assert validator.keep_if_best(4, saved.append) is None and len(saved) == 1
-    assert validator.state_dict() == {"best_accuracy": pytest.approx(0.7), "best_step": 2}
+    assert validator.state_dict() == {"best_accuracy": pytest.approx(0.7), "best_step": 2,
+                                      "evaluated_step": None}  # the trainer sets it
 
     resumed = Validator([], tmp_path)
     resumed.load_state_dict({"best_accuracy": 0.65, "best_step": 1})

@@ -170,7 +170,8 @@ def test_the_packer_says_why_it_skipped_and_which_option_fixes_it(tmp_path):
     assert nothing.returncode == 2, nothing.stdout
     said = nothing.stdout
     assert "nothing was written" in said
-    assert re.search(r"6 skipped as not 112x112 \(e\.g\. \S+p0/0\.pgm, \S+p0/1\.pgm\); fix: "
+    assert re.search(r"6 skipped as not 112x112 \(e\.g\. \S+p0/0\.pgm, \S+p0/1\.pgm; "
+                     r"sizes found: 92x112: 6\); fix: "
                      r"align it from 5 landmarks .*--resize .*--crop", said), said
     assert re.search(r"1 skipped as not a decodable image \(e\.g\. \S+broken\.jpg\); fix: "
                      r"re-encode it", said), said
