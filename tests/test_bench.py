@@ -317,3 +317,30 @@ def test_the_start_up_figure_counts_every_array_of_the_shard(fp16_centers, expec
 
     pfc = PartialFC(31, 16, rank=1, world_size=2, sample_rate=1.0, fp16_centers=fp16_centers)
     assert shard_bytes(pfc) == expected
+
+
+def test_fully_connected_backward_gives_both_gradient_gemms():
+    """The oneDNN backward `bench ops` rates: g @ w and g^T @ x, checked in float64."""
+    import mxnet as mx
+
+    from partial_fc_mx.bench.ops import fully_connected_backward
+
+    rng = np.random.default_rng(3)
+    g, x, w = (rng.standard_normal(shape).astype(np.float32)
+               for shape in ((6, 40), (6, 8), (40, 8)))
+    grad_x, grad_w = mx.nd.zeros((6, 8)), mx.nd.zeros((40, 8))
+    fully_connected_backward(mx.nd.array(g), mx.nd.array(x), mx.nd.array(w), grad_x, grad_w)
+    assert np.allclose(grad_x.asnumpy(), g.astype(np.float64) @ w, atol=1e-4)
+    assert np.allclose(grad_w.asnumpy(), g.T.astype(np.float64) @ x, atol=1e-4)
+
+
+def test_ops_bench_rates_every_gemm_against_the_forward():
+    result = run([sys.executable, "-m", "partial_fc_mx.bench", "ops", "--batch-size", "32",
+                  "--num-sample", "300", "--embedding-size", "16"], timeout=180)
+    assert result.returncode == 0, result.stdout[-3000:]
+    rates = re.findall(r"([\d.]+) ms\s+([\d.]+) GFLOP/s\s+([\d.]+)x forward  (.+?)(  OFF THE "
+                       r"FAST PATH)?$", result.stdout, re.MULTILINE)
+    names = [name for *_, name, _ in rates]
+    assert len(rates) == 5 and names[0].startswith("G = x w^T: FullyConnected forward")
+    assert float(rates[0][2]) == 1.0 and all(float(rate) > 0 for _, rate, *_ in rates)
+    assert [bool(flag) for *_, flag in rates] == [float(r) > 1.2 for _, _, r, _, _ in rates]

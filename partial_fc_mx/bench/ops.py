@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
 
 import mxnet as mx
 import numpy as np
@@ -16,35 +17,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--embedding-size", type=int, default=512)
 
 
+FAST_PATH = 1.2
+"""A GEMM more than this many times slower than FullyConnected's forward at the same
+flop count is off the fast path (issue 28: OpenBLAS where oneDNN would run)."""
+
+
 def run(args: argparse.Namespace) -> None:
     n_rows, n_cols, depth = args.batch_size, args.num_sample, args.embedding_size
     rng = np.random.default_rng(0)
     x = mx.nd.array(rng.standard_normal((n_rows, depth)))
     w = mx.nd.array(rng.standard_normal((n_cols, depth)))
     g = mx.nd.array(rng.standard_normal((n_rows, n_cols)))
+    grad_x, grad_w = mx.nd.zeros((n_rows, depth)), mx.nd.zeros((n_cols, depth))
     ones_cols, ones_rows = mx.nd.ones((1, n_cols)), mx.nd.ones((1, n_rows))
-
-    def recorded_fc():
-        x.attach_grad()
-        w.attach_grad()
-        with mx.autograd.record():
-            out = mx.nd.FullyConnected(x, w, num_hidden=n_cols, no_bias=True)
-        out.backward(g)
-
-    gemm_flop = 2 * n_rows * n_cols * depth
+    print(f"operators at B={n_rows}, n={n_cols}, D={depth}, one process, MXNet {mx.__version__}")
+    print_gemm_rates(x, w, g, grad_x, grad_w)
     choices = {
-        "three GEMMs (forward, d x, d w)": {
-            "FullyConnected recorded + backward (used)": (recorded_fc, 3 * gemm_flop),
-            "FullyConnected + nd.dot(g, w) + nd.dot(g, x, transpose_a)": (
-                lambda: (mx.nd.FullyConnected(x, w, num_hidden=n_cols, no_bias=True),
-                         mx.nd.dot(g, w), mx.nd.dot(g, x, transpose_a=True)), 3 * gemm_flop),
-            "nd.dot(x, w, transpose_b) + the two nd.dot": (
-                lambda: (mx.nd.dot(x, w, transpose_b=True), mx.nd.dot(g, w),
-                         mx.nd.dot(g, x, transpose_a=True)), 3 * gemm_flop),
-            "numpy x @ w.T, g @ w, g.T @ x": (
-                lambda: (x.asnumpy() @ w.asnumpy().T, g.asnumpy() @ w.asnumpy(),
-                         g.asnumpy().T @ x.asnumpy()), 3 * gemm_flop),
-        },
         "row sums of the B x n logits": {
             "FullyConnected(m, ones) (used)": (
                 lambda: mx.nd.FullyConnected(g, ones_cols, num_hidden=1, no_bias=True), 0),
@@ -61,10 +49,53 @@ def run(args: argparse.Namespace) -> None:
             "norm(axis=1)": (lambda: mx.nd.norm(w, axis=1), 0),
         },
     }
-    print(f"operators at B={n_rows}, n={n_cols}, D={depth}, one process, MXNet {mx.__version__}")
     for task, options in choices.items():
         print(task)
         for name, (run, flop) in options.items():
             ms = median_ms(run)
             rate = f"  {flop / ms / 1e6:6.1f} GFLOP/s" if flop else ""
             print(f"  {ms:8.1f} ms{rate}  {name}")
+
+
+def print_gemm_rates(x, w, g, grad_x, grad_w) -> None:
+    """Each of the step's three GEMMs (2 B n D flop each) beside FullyConnected's
+    forward, oneDNN's inner product, in the same process: a ratio above FAST_PATH
+    marks a GEMM that runs on a slower library (the wheel's OpenBLAS for `dot` and
+    `linalg.gemm` on some CPUs)."""
+    n_rows, n_cols, depth = g.shape[0], g.shape[1], x.shape[1]
+    flop = 2 * n_rows * n_cols * depth
+    gram = mx.nd.zeros_like(g)  # every output in a buffer kept across calls, as in the step
+    g_host, w_host, x_host = g.asnumpy(), w.asnumpy(), grad_x.asnumpy()
+    gemms = {
+        "G = x w^T: FullyConnected forward (used; the reference)": (
+            lambda: mx.nd.FullyConnected(x, w, num_hidden=n_cols, no_bias=True, out=gram), 1),
+        "dw = g^T x: linalg.gemm(transpose_a, beta=1) (used)": (
+            lambda: mx.nd.linalg.gemm(g, x, grad_w, transpose_a=True, beta=1.0, out=grad_w), 1),
+        "dx = g w: dot (used)": (lambda: mx.nd.dot(g, w, out=grad_x), 1),
+        "dx and dw: FullyConnected's backward (oneDNN), per GEMM": (
+            lambda: fully_connected_backward(g, x, w, grad_x, grad_w), 2),
+        "dx = g w: numpy matmul (reference; the step stays in MXNet)": (
+            lambda: np.matmul(g_host, w_host, out=x_host), 1),
+    }
+    print(f"the three GEMMs of a step, {flop / 1e9:.2f} GFLOP each")
+    forward_ms = None
+    for name, (run, count) in gemms.items():
+        ms = median_ms(run) / count
+        forward_ms = forward_ms or ms
+        ratio = ms / forward_ms
+        flag = "  OFF THE FAST PATH" if ratio > FAST_PATH else ""
+        print(f"  {ms:9.2f} ms  {flop / ms / 1e6:6.1f} GFLOP/s  {ratio:4.2f}x forward  "
+              f"{name}{flag}")
+
+
+def fully_connected_backward(grad_out, data, weight, grad_data, grad_weight) -> None:
+    """grad_data = grad_out @ weight and grad_weight = grad_out^T @ data through
+    FullyConnected's own backward operator (oneDNN's inner-product backward primitives
+    on the CPU), called without recording a graph."""
+    from mxnet._ctypes.ndarray import _imperative_invoke
+
+    handle = mx.base.OpHandle()
+    mx.base.check_call(mx.base._LIB.NNGetOpHandle(mx.base.c_str("_backward_FullyConnected"),
+                                                  ctypes.byref(handle)))
+    _imperative_invoke(handle.value, [grad_out, data, weight], ["num_hidden", "no_bias"],
+                       [str(weight.shape[0]), "True"], [grad_data, grad_weight], False, True)
