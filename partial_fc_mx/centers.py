@@ -422,9 +422,10 @@ class MemoryEstimate:
         return self.centers + self.working
 
 
-LOGIT_MATRICES = 3
-"""N x n float32 matrices one step holds: the Gram matrix, the logits (the softmax's
-probabilities, then their gradient, in the same buffer) and one temporary."""
+LOGIT_MATRICES = 2
+"""N x n float32 matrices one step holds: the logits (the Gram matrix scaled in place,
+then the softmax's probabilities, then their gradient, all in one buffer) and one
+temporary."""
 
 
 def estimate_memory(

@@ -4,25 +4,30 @@ Each rank holds a shard of the C x D class centers with their optimizer states
 (centers.py). One step, on every rank (N = the global batch, n = this rank's sampled centers):
   1. allgather labels (with each row's rank and checks) and the embeddings: N x D;
   2. sample: every positive class in the shard, plus uniform negatives up to n;
-  3. G = x_hat @ w.T (one FullyConnected), cos = G / |w|, margin on the targets;
+  3. G = x_hat @ w.T (one FullyConnected), cos = G / |w|, margin on the targets, all
+     in one N x n buffer that then holds the probabilities and their gradient;
   4. allreduce(max), allreduce(sum exp, target logit): the exact softmax over the
      union of all ranks' samples, and the cross-entropy averaged over N;
   5. gradients: sampled centers (kept for `step`) and all N embeddings, summed over
      ranks with one allreduce; each rank keeps the rows of its own embeddings.
 The centers are normalized by scaling G's columns rather than w's rows: N x n
 multiplies instead of n x D, and w_hat is never materialized. The three GEMMs are
-explicit (no autograd), and the N x n and n x D matrices live in buffers kept across
+explicit (no autograd): FullyConnected's forward and its backward operator, oneDNN's
+inner product on the CPU. The N x n and n x D matrices live in buffers kept across
 steps (workspace.py): a fresh array per step costs its page faults every step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 from dataclasses import dataclass
 
 import horovod.mxnet as hvd
 import mxnet as mx
 import numpy as np
+from mxnet._ctypes.ndarray import _imperative_invoke
 
 from .center_optimizers import CenterOptimizer
 from .center_optimizers.sgd import SGD
@@ -143,7 +148,7 @@ class PartialFC:
             col_scale = self._col_scale(w)
         with self.timer.phase("gemm"):
             gram = mx.nd.FullyConnected(x_hat, w, num_hidden=w.shape[0], no_bias=True,
-                                        out=self._buffer("gram", x_hat, w))
+                                        out=self._buffer("logits", x_hat, w))
         with self.timer.phase("compute"):
             logits, targets = self._logits(gram, col_scale, norms, target_col)
             local_max = row_maxes(logits)
@@ -168,17 +173,16 @@ class PartialFC:
             exp_sum, target_logit = sums[:, 0], sums[:, 1]
             loss = (mx.nd.log(exp_sum) + row_max - target_logit).mean()
             grad_gram = self._grad_gram(prob, local_sum / exp_sum, col_scale, targets)
-            # |w_j| also enters through cos = G / |w_j|: its part of d loss / d w_j is
-            # -w_j / |w_j|^2 * sum_i dG_ij G_ij, written first; the GEMM adds (beta = 1)
-            dg_g = mx.nd.elemwise_mul(grad_gram, gram, out=gram)
-            per_row = col_sums(dg_g) * (col_scale / self.margin.scale) ** 2
-            grad_w = mx.nd.broadcast_mul(w, -per_row.reshape((-1, 1)),
-                                         out=self._buffer("grad_w", w))
-        with self.timer.phase("gemm"):
-            mx.nd.linalg.gemm(grad_gram, x_hat, grad_w, transpose_a=True, beta=1.0,
-                              out=grad_w)
-            grad_x_hat = mx.nd.dot(grad_gram, w)
+        with self.timer.phase("gemm"):  # dG @ w and dG^T @ x_hat, oneDNN's on the CPU
+            grad_x_hat, grad_w = self._buffer("grad_x_hat", x_hat), self._buffer("grad_w", w)
+            fully_connected_backward(grad_gram, x_hat, w, grad_x_hat, grad_w)
         with self.timer.phase("compute"):
+            # |w_j| also enters through cos = G / |w_j|: d loss / d w_j is the GEMM's
+            # M_j = sum_i dG_ij x_hat_i less its part along w_j, (M_j . w_j) / |w_j|^2 w_j
+            # (sum_i dG_ij G_ij = M_j . w_j): n x D work, not another pass over N x n
+            chunk = (min(len(w), chunk_rows(w)), w.shape[1])
+            project_out_rows(grad_w, w, (col_scale / self.margin.scale) ** 2,
+                             self.buffers.get("row_chunk", chunk))
             grad_x = grad_x_hat - x_hat * (x_hat * grad_x_hat).sum(axis=1, keepdims=True)
             grad_x = grad_x * (grad_scale / x_norm)
         with self.timer.phase("communication"):
@@ -273,9 +277,9 @@ class PartialFC:
         return self.margin.scale / mx.nd.sqrt(row_sums(squares))
 
     def _logits(self, gram, col_scale, norms, target_col: np.ndarray) -> tuple:
-        """Scaled cosines with the margin on the targets in this shard."""
-        logits = mx.nd.broadcast_mul(gram, col_scale.reshape((1, -1)),
-                                     out=self._buffer("logits", gram))
+        """Scaled cosines with the margin on the targets in this shard, in place of the
+        Gram matrix (nothing needs G once the logits exist: one N x n buffer)."""
+        logits = mx.nd.broadcast_mul(gram, col_scale.reshape((1, -1)), out=gram)
         targets = Targets.of(target_col, self.ctx)
         if targets.rows is not None:
             cos = mx.nd.gather_nd(logits, targets.where) / self.margin.scale
@@ -335,9 +339,44 @@ def row_sums(matrix: mx.nd.NDArray) -> mx.nd.NDArray:
     return mx.nd.FullyConnected(matrix, ones, num_hidden=1, no_bias=True).reshape(-1)
 
 
-def col_sums(matrix: mx.nd.NDArray) -> mx.nd.NDArray:
-    ones = mx.nd.ones((1, matrix.shape[0]), ctx=matrix.context, dtype=matrix.dtype)
-    return mx.nd.dot(ones, matrix).reshape(-1)
+def fully_connected_backward(grad_out: mx.nd.NDArray, data: mx.nd.NDArray,
+                             weight: mx.nd.NDArray, grad_data: mx.nd.NDArray,
+                             grad_weight: mx.nd.NDArray) -> None:
+    """grad_data = grad_out @ weight and grad_weight = grad_out^T @ data, by
+    FullyConnected's own backward operator, called without recording a graph: on the
+    CPU oneDNN's inner-product primitives, as fast as the forward (`bench ops`), where
+    `dot` and `linalg.gemm` run on the wheel's OpenBLAS, up to 5x slower on some CPUs."""
+    _imperative_invoke(fully_connected_backward_op(), [grad_out, data, weight],
+                       ["num_hidden", "no_bias"], [str(weight.shape[0]), "True"],
+                       [grad_data, grad_weight], False, True)
+
+
+@functools.cache
+def fully_connected_backward_op() -> int:
+    handle = mx.base.OpHandle()
+    mx.base.check_call(mx.base._LIB.NNGetOpHandle(mx.base.c_str("_backward_FullyConnected"),
+                                                  ctypes.byref(handle)))
+    return handle.value
+
+
+def chunk_rows(matrix: mx.nd.NDArray) -> int:
+    """Rows of `matrix` in about 4 MiB: a chunk and its scratch stay in the cache."""
+    return max(1, 2**20 // matrix.shape[1])
+
+
+def project_out_rows(grad: mx.nd.NDArray, rows: mx.nd.NDArray, inverse_square_norms,
+                     scratch: mx.nd.NDArray) -> None:
+    """grad_j -= (grad_j . rows_j) * inverse_square_norms_j * rows_j for every row j,
+    in place, a chunk of rows at a time through `scratch` (no n x D temporary)."""
+    step = scratch.shape[0]
+    for start in range(0, grad.shape[0], step):
+        stop = min(start + step, grad.shape[0])
+        grad_part, rows_part = grad[start:stop], rows[start:stop]
+        work = scratch[:stop - start]
+        mx.nd.elemwise_mul(grad_part, rows_part, out=work)
+        coefficient = row_sums(work) * inverse_square_norms[start:stop]
+        mx.nd.broadcast_mul(rows_part, coefficient.reshape((-1, 1)), out=work)
+        mx.nd.elemwise_sub(grad_part, work, out=grad_part)
 
 
 def row_maxes(matrix: mx.nd.NDArray) -> mx.nd.NDArray:

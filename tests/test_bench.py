@@ -319,21 +319,6 @@ def test_the_start_up_figure_counts_every_array_of_the_shard(fp16_centers, expec
     assert shard_bytes(pfc) == expected
 
 
-def test_fully_connected_backward_gives_both_gradient_gemms():
-    """The oneDNN backward `bench ops` rates: g @ w and g^T @ x, checked in float64."""
-    import mxnet as mx
-
-    from partial_fc_mx.bench.ops import fully_connected_backward
-
-    rng = np.random.default_rng(3)
-    g, x, w = (rng.standard_normal(shape).astype(np.float32)
-               for shape in ((6, 40), (6, 8), (40, 8)))
-    grad_x, grad_w = mx.nd.zeros((6, 8)), mx.nd.zeros((40, 8))
-    fully_connected_backward(mx.nd.array(g), mx.nd.array(x), mx.nd.array(w), grad_x, grad_w)
-    assert np.allclose(grad_x.asnumpy(), g.astype(np.float64) @ w, atol=1e-4)
-    assert np.allclose(grad_w.asnumpy(), g.T.astype(np.float64) @ x, atol=1e-4)
-
-
 def test_ops_bench_rates_every_gemm_against_the_forward():
     result = run([sys.executable, "-m", "partial_fc_mx.bench", "ops", "--batch-size", "32",
                   "--num-sample", "300", "--embedding-size", "16"], timeout=180)

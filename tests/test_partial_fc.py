@@ -99,3 +99,26 @@ def test_initial_centers_depend_on_the_class_not_on_the_world_size():
     halves = [PartialFC(10000, 8, rank=r, world_size=3, seed=5, fp16_centers=True)
               .weight.asnumpy() for r in range(3)]
     assert np.concatenate(halves).tobytes() == full.astype(np.float16).tobytes()
+
+
+def test_the_backward_gemms_and_the_row_projection_match_float64():
+    """FullyConnected's backward operator gives both gradient GEMMs; the centers'
+    gradient then loses its part along each center, a chunk of rows at a time (chunks
+    of 7 rows over 40: the last one partial)."""
+    import mxnet as mx
+
+    from partial_fc_mx.partial_fc import fully_connected_backward, project_out_rows
+
+    rng = np.random.default_rng(3)
+    g, x, w = (rng.standard_normal(shape).astype(np.float32)
+               for shape in ((6, 40), (6, 8), (40, 8)))
+    grad_x, grad_w = mx.nd.zeros((6, 8)), mx.nd.zeros((40, 8))
+    fully_connected_backward(mx.nd.array(g), mx.nd.array(x), mx.nd.array(w), grad_x, grad_w)
+    m = g.T.astype(np.float64) @ x
+    assert np.allclose(grad_x.asnumpy(), g.astype(np.float64) @ w, atol=1e-4)
+    assert np.allclose(grad_w.asnumpy(), m, atol=1e-4)
+    inverse = 1 / (w.astype(np.float64) ** 2).sum(axis=1)
+    project_out_rows(grad_w, mx.nd.array(w), mx.nd.array(inverse), mx.nd.zeros((7, 8)))
+    expected = m - ((m * w).sum(axis=1) * inverse)[:, None] * w
+    assert np.allclose(grad_w.asnumpy(), expected, atol=1e-4)
+    assert np.allclose((grad_w.asnumpy() * w).sum(axis=1), 0, atol=1e-3)  # orthogonal to w
