@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import horovod.mxnet as hvd
 import mxnet as mx
 import numpy as np
-from mxnet._ctypes.ndarray import _imperative_invoke
+from mxnet.ndarray import register
 
 from .center_optimizers import CenterOptimizer
 from .center_optimizers.sgd import SGD
@@ -107,7 +107,7 @@ class PartialFC:
         self.timer = timer or NoTimer()
         self._pending = None  # (index, sampled weights, their gradient) until step()
         self._last_rows = None  # shard rows sampled in the last step; None: all
-        self.buffers = Workspace(self.ctx)  # logits, G and the centers' gradient
+        self.buffers = Workspace(self.ctx)  # logits, both GEMM gradients, row chunks
 
     @property
     def weight(self) -> mx.nd.NDArray:
@@ -331,8 +331,8 @@ class Targets:
         return cls(as_nd(rows), as_nd(cols), as_nd(np.stack([rows, cols])))
 
 
-# Row sums, column sums and row maxima through GEMVs and a max pooling: on CPU these
-# run 2-10x faster than MXNet's sum(axis=...) and max(axis=1) reductions
+# Row sums and row maxima through a GEMV and a max pooling: on CPU these run 2-10x
+# faster than MXNet's sum(axis=...) and max(axis=1) reductions
 # (docs/benchmarks.md).
 def row_sums(matrix: mx.nd.NDArray) -> mx.nd.NDArray:
     ones = mx.nd.ones((1, matrix.shape[1]), ctx=matrix.context, dtype=matrix.dtype)
@@ -342,13 +342,15 @@ def row_sums(matrix: mx.nd.NDArray) -> mx.nd.NDArray:
 def fully_connected_backward(grad_out: mx.nd.NDArray, data: mx.nd.NDArray,
                              weight: mx.nd.NDArray, grad_data: mx.nd.NDArray,
                              grad_weight: mx.nd.NDArray) -> None:
-    """grad_data = grad_out @ weight and grad_weight = grad_out^T @ data, by
-    FullyConnected's own backward operator, called without recording a graph: on the
+    """grad_data = grad_out @ weight and grad_weight = grad_out^T @ data (float32, with
+    autograd paused by the caller), by FullyConnected's own backward operator: on the
     CPU oneDNN's inner-product primitives, as fast as the forward (`bench ops`), where
-    `dot` and `linalg.gemm` run on the wheel's OpenBLAS, up to 5x slower on some CPUs."""
-    _imperative_invoke(fully_connected_backward_op(), [grad_out, data, weight],
-                       ["num_hidden", "no_bias"], [str(weight.shape[0]), "True"],
-                       [grad_data, grad_weight], False, True)
+    `dot` and `linalg.gemm` run on the wheel's OpenBLAS, up to 5x slower on some CPUs;
+    cuBLAS on a GPU. Invoked the way MXNet's generated operators are (looked up at each
+    call, so that a wrapper such as tests/context_guard.py sees it too)."""
+    register._imperative_invoke(fully_connected_backward_op(), [grad_out, data, weight],
+                                ["num_hidden", "no_bias"], [str(weight.shape[0]), "True"],
+                                [grad_data, grad_weight], False, True)
 
 
 @functools.cache
@@ -359,22 +361,30 @@ def fully_connected_backward_op() -> int:
     return handle.value
 
 
+MAX_CHUNKS = 32
+"""At most this many chunks per projection: on a GPU, or at a million sampled rows, a
+chunk is a few operator calls, and calls must not outnumber the work."""
+
+
 def chunk_rows(matrix: mx.nd.NDArray) -> int:
-    """Rows of `matrix` in about 4 MiB: a chunk and its scratch stay in the cache."""
-    return max(1, 2**20 // matrix.shape[1])
+    """Rows of `matrix` in about 4 MiB, where a chunk and its scratch stay in the CPU's
+    cache, or a 1/MAX_CHUNKS of them when that is more."""
+    return max(1, 2**20 // matrix.shape[1], -(-matrix.shape[0] // MAX_CHUNKS))
 
 
 def project_out_rows(grad: mx.nd.NDArray, rows: mx.nd.NDArray, inverse_square_norms,
                      scratch: mx.nd.NDArray) -> None:
     """grad_j -= (grad_j . rows_j) * inverse_square_norms_j * rows_j for every row j,
     in place, a chunk of rows at a time through `scratch` (no n x D temporary)."""
-    step = scratch.shape[0]
+    step = max(1, scratch.shape[0])
+    ones = mx.nd.ones((1, grad.shape[1]), ctx=grad.context, dtype=grad.dtype)
     for start in range(0, grad.shape[0], step):
         stop = min(start + step, grad.shape[0])
         grad_part, rows_part = grad[start:stop], rows[start:stop]
         work = scratch[:stop - start]
         mx.nd.elemwise_mul(grad_part, rows_part, out=work)
-        coefficient = row_sums(work) * inverse_square_norms[start:stop]
+        dots = mx.nd.FullyConnected(work, ones, num_hidden=1, no_bias=True).reshape(-1)
+        coefficient = dots * inverse_square_norms[start:stop]
         mx.nd.broadcast_mul(rows_part, coefficient.reshape((-1, 1)), out=work)
         mx.nd.elemwise_sub(grad_part, work, out=grad_part)
 

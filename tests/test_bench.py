@@ -320,8 +320,8 @@ def test_the_start_up_figure_counts_every_array_of_the_shard(fp16_centers, expec
 
 
 def test_ops_bench_rates_every_gemm_against_the_forward():
-    result = run([sys.executable, "-m", "partial_fc_mx.bench", "ops", "--batch-size", "32",
-                  "--num-sample", "300", "--embedding-size", "16"], timeout=180)
+    result = run([sys.executable, "-m", "partial_fc_mx.bench", "ops", "--batch-size", "64",
+                  "--num-sample", "2000", "--embedding-size", "64"], timeout=180)
     assert result.returncode == 0, result.stdout[-3000:]
     rates = re.findall(r"([\d.]+) ms\s+([\d.]+) GFLOP/s\s+([\d.]+)x forward  (.+?)(  OFF THE "
                        r"FAST PATH)?$", result.stdout, re.MULTILINE)

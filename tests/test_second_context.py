@@ -14,6 +14,8 @@ import pytest
 from conftest import config_file, horovodrun_gloo, logged, mpirun, run
 from context_guard import ContextMix, guard
 
+from partial_fc_mx.partial_fc import fully_connected_backward
+
 WORKER = [sys.executable, "tests/context_worker.py"]
 
 
@@ -28,6 +30,9 @@ def test_the_check_catches_a_deliberate_mix_and_lets_copies_through():
             here + there.T  # noqa: B018 (the mix is the point)
         with pytest.raises(ContextMix, match="a cached graph's inputs mix contexts"):
             graph(here, there)
+        with pytest.raises(ContextMix, match="mixes contexts"):  # Partial FC's backward GEMMs
+            fully_connected_backward(mx.nd.ones((3, 2)), here.T, mx.nd.ones((2, 2)),
+                                     mx.nd.zeros((3, 2)), mx.nd.zeros((2, 2), ctx=mx.cpu(1)))
         moved = here.as_in_context(mx.cpu(1))  # an explicit copy
         assert mx.nd.dot(moved, there).context == mx.cpu(1)
         assert checked.operators >= 2

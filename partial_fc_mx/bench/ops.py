@@ -78,7 +78,7 @@ def print_gemm_rates(x, w, g, grad_x, grad_w) -> None:
     for name, (run, count) in gemms.items():
         ms = median_ms(run) / count
         forward_ms = forward_ms or ms
-        ratio = ms / forward_ms
+        ratio = round(ms / forward_ms, 2)  # the flag follows the printed figure
         flag = "  OFF THE FAST PATH" if ratio > FAST_PATH else ""
         print(f"  {ms:9.2f} ms  {flop / ms / 1e6:6.1f} GFLOP/s  {ratio:4.2f}x forward  "
               f"{name}{flag}")
