@@ -399,10 +399,11 @@ def pack_command(args: argparse.Namespace) -> int:
         packed = held.train
     else:
         packed = pack_folder(args.src, args.out, args.crop, args.resize, args.landmarks)
-    stale = Path(args.out) / HELDOUT_BIN
-    if held is None and stale.exists():  # its people may be among those just packed
-        stale.unlink()
-        print(f"removed {stale}: an earlier pack's held-out people, who may now be trained on")
+    bin_path = Path(args.out) / HELDOUT_BIN
+    if held is None and bin_path.exists():  # its people may be among those just packed
+        bin_path.unlink()
+        print(f"removed {bin_path}: an earlier pack's held-out people, who may now be "
+              "trained on")
     aligned = f" ({packed.aligned} aligned from landmarks)" if packed.aligned else ""
     print(f"{args.out}: {packed.images} images of {packed.classes} classes{aligned}, "
           f"{len(packed.skipped)} skipped")
@@ -411,7 +412,7 @@ def pack_command(args: argparse.Namespace) -> int:
     for line in packed.summary():
         print(f"  {line}")
     if held:
-        print(f"{Path(args.out) / HELDOUT_BIN}: {held.pairs} pairs of {len(held.people)} "
+        print(f"{bin_path}: {held.pairs} pairs of {len(held.people)} "
               f"people held out of training ({', '.join(held.people[:5])}"
               f"{', ...' if len(held.people) > 5 else ''}); verify on them during training "
               f"with val_targets = [\"{Path(HELDOUT_BIN).stem}\"] (read from <rec>/{HELDOUT_BIN})")
@@ -486,9 +487,9 @@ def check_onnx_command(args: argparse.Namespace) -> int:
     return 1 if checked.warnings else 0
 
 
-def model_forward(model: str, gpu: int | None = None, best: bool = False):
-    """images -> embeddings of a work dir's backbone (MXNet, on the CPU or GPU `gpu`;
-    its best one with `best`) or of an ONNX file (onnxruntime on the CPU)."""
+def model_forward(model: str, gpu: int | None = None, name: str = "backbone"):
+    """images -> embeddings of a work dir's backbone `name` (MXNet, on the CPU or GPU
+    `gpu`; "backbone-best" for its best one) or of an ONNX file (onnxruntime, CPU)."""
     from . import export
     from .evaluation.verification import mxnet_forward, onnx_forward
 
@@ -496,13 +497,12 @@ def model_forward(model: str, gpu: int | None = None, best: bool = False):
         if gpu is not None:
             raise DataError("--gpu runs a work dir's MXNet backbone; an ONNX file runs on "
                             "the CPU: give the work dir instead")
-        if best:
+        if name != "backbone":
             raise DataError("--best picks a work dir's best backbone; give the work dir")
         return onnx_forward(export.onnx_session(model))
     import mxnet as mx
 
     ctx = mx.cpu() if gpu is None else mx.gpu(gpu)
-    name = "backbone-best" if best else "backbone"
     return mxnet_forward(export.load_backbone(model, ctx, name), ctx)
 
 
@@ -510,12 +510,13 @@ def eval_command(args: argparse.Namespace) -> int:
     from .evaluation.verification import load_bin, verify
 
     sets = {path: load_bin(path) for path in args.bin}  # bad files first: they are cheap
+    from .evaluation.validator import BEST_MODEL
     from .export import describe_backbone
 
-    model = "backbone-best" if args.best else "backbone"
+    model = BEST_MODEL if args.best else "backbone"
     named = not args.model.endswith(".onnx")
     before = describe_backbone(args.model, model) if named else ""
-    forward = model_forward(args.model, args.gpu, args.best)
+    forward = model_forward(args.model, args.gpu, model)
     if named:  # a run still training may save between the two reads
         after = describe_backbone(args.model, model)
         moved = f" (saved again while it loaded; it was {before})" if after != before else ""

@@ -334,9 +334,14 @@ class Targets:
 # Row sums and row maxima through a GEMV and a max pooling: on CPU these run 2-10x
 # faster than MXNet's sum(axis=...) and max(axis=1) reductions
 # (docs/benchmarks.md).
-def row_sums(matrix: mx.nd.NDArray) -> mx.nd.NDArray:
-    ones = mx.nd.ones((1, matrix.shape[1]), ctx=matrix.context, dtype=matrix.dtype)
+def row_sums(matrix: mx.nd.NDArray, ones: mx.nd.NDArray | None = None) -> mx.nd.NDArray:
+    """`ones`: ones_row of the matrix's width, for a caller that sums many matrices."""
+    ones = ones_row(matrix.shape[1], matrix) if ones is None else ones
     return mx.nd.FullyConnected(matrix, ones, num_hidden=1, no_bias=True).reshape(-1)
+
+
+def ones_row(width: int, like: mx.nd.NDArray) -> mx.nd.NDArray:
+    return mx.nd.ones((1, width), ctx=like.context, dtype=like.dtype)
 
 
 def fully_connected_backward(grad_out: mx.nd.NDArray, data: mx.nd.NDArray,
@@ -377,14 +382,13 @@ def project_out_rows(grad: mx.nd.NDArray, rows: mx.nd.NDArray, inverse_square_no
     """grad_j -= (grad_j . rows_j) * inverse_square_norms_j * rows_j for every row j,
     in place, a chunk of rows at a time through `scratch` (no n x D temporary)."""
     step = max(1, scratch.shape[0])
-    ones = mx.nd.ones((1, grad.shape[1]), ctx=grad.context, dtype=grad.dtype)
+    ones = ones_row(grad.shape[1], grad)
     for start in range(0, grad.shape[0], step):
         stop = min(start + step, grad.shape[0])
         grad_part, rows_part = grad[start:stop], rows[start:stop]
         work = scratch[:stop - start]
         mx.nd.elemwise_mul(grad_part, rows_part, out=work)
-        dots = mx.nd.FullyConnected(work, ones, num_hidden=1, no_bias=True).reshape(-1)
-        coefficient = dots * inverse_square_norms[start:stop]
+        coefficient = row_sums(work, ones) * inverse_square_norms[start:stop]
         mx.nd.broadcast_mul(rows_part, coefficient.reshape((-1, 1)), out=work)
         mx.nd.elemwise_sub(grad_part, work, out=grad_part)
 
