@@ -366,12 +366,14 @@ def tensor_size_problem(num_classes: int, world_size: int, embedding_size: int,
         return None
     rows = shard_of(num_classes, 0, world_size).count  # rank 0's shard is the largest
     sampled = sampled_per_step(rows, sample_rate, global_batch)
-    if sampled * embedding_size > INT32_ELEMENTS:
-        fewest = math.ceil(num_classes * sample_rate / (INT32_ELEMENTS // embedding_size))
+    if (sampled + SPARE_CENTERS) * embedding_size > INT32_ELEMENTS:
+        fewest = math.ceil(num_classes * sample_rate
+                           / (INT32_ELEMENTS // embedding_size - SPARE_CENTERS))
+        size = (sampled + SPARE_CENTERS) * embedding_size
         return (f"one process scores {sampled:,} of its {rows:,} class centers per step: "
-                f"{sampled:,} x {embedding_size} = {sampled * embedding_size:,} elements, "
+                f"({sampled:,} + {SPARE_CENTERS} spare) x {embedding_size} = {size:,} elements, "
                 f"{TOO_MANY_ELEMENTS}; lower sample_rate or use at least {fewest} processes")
-    if global_batch * sampled > INT32_ELEMENTS:
+    if global_batch * (sampled + SPARE_CENTERS) > INT32_ELEMENTS:
         return (f"the logits of a global batch of {global_batch} against the {sampled} "
                 f"centers one process samples have {global_batch * sampled:,} elements, "
                 f"{TOO_MANY_ELEMENTS}; more processes do not help (their product is about "
@@ -421,6 +423,10 @@ class MemoryEstimate:
     def total(self) -> int:
         return self.centers + self.working
 
+
+SPARE_CENTERS = 1
+"""A zero row after the sampled centers in the step's arrays: its column of the logits
+carries each row's max through the softmax (partial_fc.py)."""
 
 LOGIT_MATRICES = 2
 """N x n float32 matrices counted per step: the one buffer of the logits (the Gram

@@ -31,7 +31,14 @@ from mxnet.ndarray import register
 
 from .center_optimizers import CenterOptimizer
 from .center_optimizers.sgd import SGD
-from .centers import ClassCenters, center_dtype, num_sample, shard_of, tensor_size_problem
+from .centers import (
+    SPARE_CENTERS,
+    ClassCenters,
+    center_dtype,
+    num_sample,
+    shard_of,
+    tensor_size_problem,
+)
 from .errors import UserError
 from .margins import Margin
 from .margins.combined import CombinedMargin
@@ -145,24 +152,28 @@ class PartialFC:
             norms = x_norm.reshape(-1)
             self.margin.observe(norms)
             w = self.centers.sampled_weights(index)
-            col_scale = self._col_scale(w)
+            w_scale = self._row_scale(w)
+            v = self._scaled_centers(w, w_scale)
         with self.timer.phase("gemm"):
-            gram = mx.nd.FullyConnected(x_hat, w, num_hidden=w.shape[0], no_bias=True,
-                                        out=self._buffer("logits", x_hat, w))
+            logits = mx.nd.FullyConnected(x_hat, v, num_hidden=v.shape[0], no_bias=True,
+                                          out=self._buffer("logits", x_hat, v))
         with self.timer.phase("compute"):
-            logits, targets = self._logits(gram, col_scale, norms, target_col)
+            targets = self._apply_margin(logits, norms, target_col)
+            spare = spare_column(logits)
+            set_entries(logits, spare, mx.nd.full(len(logits), -np.inf, ctx=self.ctx))
             local_max = row_maxes(logits)
         with self.timer.phase("communication"):
             row_max = hvd.allreduce(local_max, op=hvd.Max, name="pfc.max")
         with self.timer.phase("compute"):
             # MXNet's softmax has the fast vectorized exp (mx.nd.exp is 5-8x slower on
-            # CPU): prob = exp(logits - local_max) / local_sum, whose largest entry is
-            # exp(0) / local_sum, so this rank's part of the row's exp-sum (shifted by
-            # the global max) is sum(prob) / max(prob) * exp(local_max - row_max). The
-            # sum (~1) carries a NaN anywhere in the row into the loss, which the
-            # pooled max alone would skip.
+            # CPU), but keeps its sum. With the row's max in the spare column its entry
+            # there is exp(0) / (1 + local_sum): this rank's exp-sum, which a NaN
+            # anywhere in the row turns into NaN (the pooled max skips it).
+            set_entries(logits, spare, local_max)
             prob = mx.nd.softmax(logits, axis=1, out=logits)
-            local_sum = row_sums(prob) / row_maxes(prob) * mx.nd.exp(local_max - row_max)
+            shift = mx.nd.exp(local_max - row_max)
+            with_spare = 1 / mx.nd.gather_nd(prob, spare)
+            local_sum = (with_spare - 1) * shift
             target_logit = mx.nd.zeros_like(row_max)
             if targets.rows is not None:
                 target_logit[targets.rows] = targets.logits
@@ -172,22 +183,29 @@ class PartialFC:
         with self.timer.phase("compute"):
             exp_sum, target_logit = sums[:, 0], sums[:, 1]
             loss = (mx.nd.log(exp_sum) + row_max - target_logit).mean()
-            grad_gram = self._grad_gram(prob, local_sum / exp_sum, col_scale, targets)
-        with self.timer.phase("gemm"):  # dG @ w and dG^T @ x_hat, oneDNN's on the CPU
-            grad_x_hat, grad_w = self._buffer("grad_x_hat", x_hat), self._buffer("grad_w", w)
-            fully_connected_backward(grad_gram, x_hat, w, grad_x_hat, grad_w)
+            # d loss / d logit = prob * row_weight off the targets: the rows' weights
+            # go into the GEMMs' N x D inputs and outputs, not over the N x n matrix
+            share = with_spare * shift / exp_sum  # prob * share: the global probabilities
+            row_weight = (share / len(share)).reshape((-1, 1))
+            target_grad = self._target_gradients(prob, share, targets)
+        with self.timer.phase("gemm"):  # prob @ v and prob^T @ x_hat, oneDNN's on the CPU
+            grad_x_hat, grad_v = self._buffer("grad_x_hat", x_hat), self._buffer("grad_w", v)
+            fully_connected_backward(prob, x_hat * row_weight, v, grad_x_hat, grad_v)
+            grad_v = grad_v[:len(w)]  # the spare row's is not a center's
         with self.timer.phase("compute"):
-            # |w_j| also enters through cos = G / |w_j|: d loss / d w_j is the GEMM's
-            # M_j = sum_i dG_ij x_hat_i less its part along w_j, (M_j . w_j) / |w_j|^2 w_j
-            # (sum_i dG_ij G_ij = M_j . w_j): n x D work, not another pass over N x n
+            grad_x_hat = grad_x_hat * row_weight
+            if targets.rows is not None:
+                add_target_terms(grad_x_hat, grad_v, x_hat, v, targets, target_grad)
+            # v_j = w_j s / |w_j|: d loss / d w_j = s / |w_j| (dv_j less its part along
+            # w_j): n x D work, in chunks, with no n x D temporary
             chunk = (min(len(w), chunk_rows(w)), w.shape[1])
-            project_out_rows(grad_w, w, (col_scale / self.margin.scale) ** 2,
+            project_out_rows(grad_v, w, (w_scale / self.margin.scale) ** 2, w_scale,
                              self.buffers.get("row_chunk", chunk))
             grad_x = grad_x_hat - x_hat * (x_hat * grad_x_hat).sum(axis=1, keepdims=True)
             grad_x = grad_x * (grad_scale / x_norm)
         with self.timer.phase("communication"):
             grad_x = hvd.allreduce(grad_x, op=hvd.Sum, name="pfc.grad_x")
-        self._pending = (index, w, grad_w)
+        self._pending = (index, w, grad_v)
         mine = grad_x[batch.mine_start:batch.mine_stop]
         return loss, mine.astype(embeddings.dtype, copy=False)
 
@@ -270,37 +288,39 @@ class PartialFC:
         shape = rows.shape if cols is None else (rows.shape[0], cols.shape[0])
         return self.buffers.get(name, shape)
 
-    def _col_scale(self, w: mx.nd.NDArray) -> mx.nd.NDArray:
+    def _row_scale(self, w: mx.nd.NDArray) -> mx.nd.NDArray:
         """s / |w_j|. The squares go to the centers' gradient buffer, unused until the
         backward GEMMs."""
-        squares = mx.nd.square(w, out=self._buffer("grad_w", w))
-        return self.margin.scale / mx.nd.sqrt(row_sums(squares))
+        squares = self.buffers.get("grad_w", (len(w) + SPARE_CENTERS, w.shape[1]))[:len(w)]
+        return self.margin.scale / mx.nd.sqrt(row_sums(mx.nd.square(w, out=squares)))
 
-    def _logits(self, gram, col_scale, norms, target_col: np.ndarray) -> tuple:
-        """Scaled cosines with the margin on the targets in this shard, in place of the
-        Gram matrix (nothing needs G once the logits exist: one N x n buffer)."""
-        logits = mx.nd.broadcast_mul(gram, col_scale.reshape((1, -1)), out=gram)
+    def _scaled_centers(self, w: mx.nd.NDArray, w_scale: mx.nd.NDArray) -> mx.nd.NDArray:
+        """v = w s / |w| (x_hat @ v^T is then the logits), and the spare zero row after
+        them, whose logits' column carries each row's max through the softmax."""
+        v = self.buffers.get("v", (len(w) + SPARE_CENTERS, w.shape[1]))
+        mx.nd.broadcast_mul(w, w_scale.reshape((-1, 1)), out=v[:len(w)])
+        v[len(w):] = 0
+        return v
+
+    def _apply_margin(self, logits, norms, target_col: np.ndarray) -> Targets:
+        """The margin on the target logits in this shard, in place; the targets with
+        their logits and slopes."""
         targets = Targets.of(target_col, self.ctx)
         if targets.rows is not None:
             cos = mx.nd.gather_nd(logits, targets.where) / self.margin.scale
             targets.logits, targets.slopes = self.margin(cos, mx.nd.take(norms, targets.rows))
             set_entries(logits, targets.where, targets.logits)
-        return logits, targets
+        return targets
 
-    def _grad_gram(self, prob, share, col_scale, targets) -> mx.nd.NDArray:
-        """d loss / d G, in the buffer of `prob` (this rank's softmax of each row, whose
-        global probabilities are prob * share): p_ij * (s / |w_j|) / N off the targets,
-        (p - 1) * slope / |w_j| / N on them."""
-        batch = prob.shape[0]
-        if targets.rows is not None:
-            p_target = mx.nd.gather_nd(prob, targets.where) * mx.nd.take(share, targets.rows)
-            col = mx.nd.take(col_scale, targets.cols)
-            target_grad = (p_target - 1) * targets.slopes * col / (self.margin.scale * batch)
-        grad = mx.nd.broadcast_mul(prob, col_scale.reshape((1, -1)) / batch, out=prob)
-        grad = mx.nd.broadcast_mul(grad, share.reshape((-1, 1)), out=grad)
-        if targets.rows is not None:
-            set_entries(grad, targets.where, target_grad)
-        return grad
+    def _target_gradients(self, prob, share, targets) -> mx.nd.NDArray | None:
+        """d loss / d logit at the targets, (p - 1) * slope / s / N (p the global
+        probability, prob * share), and zero in their place in `prob`: the GEMMs then
+        see prob * row_weight everywhere, and add_target_terms adds these."""
+        if targets.rows is None:
+            return None
+        p_target = mx.nd.gather_nd(prob, targets.where) * mx.nd.take(share, targets.rows)
+        set_entries(prob, targets.where, mx.nd.zeros_like(p_target))
+        return (p_target - 1) * targets.slopes / (self.margin.scale * len(share))
 
 
 @dataclass
@@ -378,19 +398,50 @@ def chunk_rows(matrix: mx.nd.NDArray) -> int:
 
 
 def project_out_rows(grad: mx.nd.NDArray, rows: mx.nd.NDArray, inverse_square_norms,
-                     scratch: mx.nd.NDArray) -> None:
-    """grad_j -= (grad_j . rows_j) * inverse_square_norms_j * rows_j for every row j,
-    in place, a chunk of rows at a time through `scratch` (no n x D temporary)."""
+                     row_scale, scratch: mx.nd.NDArray) -> None:
+    """grad_j = row_scale_j * (grad_j - (grad_j . rows_j) * inverse_square_norms_j * rows_j)
+    for every row j, in place, a chunk of rows at a time through `scratch` (no n x D
+    temporary)."""
     step = max(1, scratch.shape[0])
     ones = ones_row(grad.shape[1], grad)
     for start in range(0, grad.shape[0], step):
         stop = min(start + step, grad.shape[0])
         grad_part, rows_part = grad[start:stop], rows[start:stop]
+        scale = row_scale[start:stop].reshape((-1, 1))
         work = scratch[:stop - start]
         mx.nd.elemwise_mul(grad_part, rows_part, out=work)
         coefficient = row_sums(work, ones) * inverse_square_norms[start:stop]
         mx.nd.broadcast_mul(rows_part, coefficient.reshape((-1, 1)), out=work)
         mx.nd.elemwise_sub(grad_part, work, out=grad_part)
+        mx.nd.broadcast_mul(grad_part, scale, out=grad_part)
+
+
+def spare_column(logits: mx.nd.NDArray) -> mx.nd.NDArray:
+    """The (row, column) indices of the logits' last column, the spare center's."""
+    rows = np.arange(len(logits))
+    where = np.stack([rows, np.full_like(rows, logits.shape[1] - 1)])
+    return mx.nd.array(where, ctx=logits.context, dtype="int64")
+
+
+def add_target_terms(grad_x_hat: mx.nd.NDArray, grad_v: mx.nd.NDArray, x_hat: mx.nd.NDArray,
+                     v: mx.nd.NDArray, targets: Targets, target_grad: mx.nd.NDArray) -> None:
+    """The target entries' part of both GEMMs, left out of them (target_grad_i at row
+    i, column t_i): grad_x_hat_i += target_grad_i v_(t_i), grad_v_t += the sum of
+    target_grad_i x_hat_i over the rows whose target is t. In place; T x D work."""
+    weights = target_grad.reshape((-1, 1))
+    grad_x_hat += scatter_add_rows(mx.nd.take(v, targets.cols) * weights,
+                                   targets.rows, grad_x_hat.shape[0])
+    columns, slot = np.unique(targets.cols.asnumpy(), return_inverse=True)
+    columns = mx.nd.array(columns, ctx=v.context, dtype="int64")
+    slot = mx.nd.array(slot, ctx=v.context, dtype="int64")
+    summed = scatter_add_rows(mx.nd.take(x_hat, targets.rows) * weights, slot, len(columns))
+    set_entries(grad_v, columns.reshape((1, -1)), mx.nd.take(grad_v, columns) + summed)
+
+
+def scatter_add_rows(values: mx.nd.NDArray, rows: mx.nd.NDArray, count: int) -> mx.nd.NDArray:
+    """A count x width matrix whose row r is the sum of the `values` rows with rows == r."""
+    return mx.nd._internal._backward_gather_nd(values, rows.reshape((1, -1)),
+                                               shape=(count, values.shape[1]))
 
 
 def row_maxes(matrix: mx.nd.NDArray) -> mx.nd.NDArray:
@@ -404,7 +455,8 @@ def row_maxes(matrix: mx.nd.NDArray) -> mx.nd.NDArray:
 
 
 def set_entries(matrix: mx.nd.NDArray, where: mx.nd.NDArray, values: mx.nd.NDArray) -> None:
-    """matrix[where[0], where[1]] = values, in place."""
+    """matrix[where[0], where[1], ...] = values, in place: `where` holds an index into
+    each of the matrix's first len(where) axes (entries, or whole rows)."""
     mx.nd._internal._scatter_set_nd(lhs=matrix, rhs=values, indices=where,
                                     shape=matrix.shape, out=matrix)
 

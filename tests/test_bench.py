@@ -78,15 +78,15 @@ def test_every_benchmark_module_is_listed_with_its_arguments_and_run():
     ({}, 1, 1),   # a rank mpirun bound to one core
 ])
 def test_a_ranks_threads_are_mxnets_choice(monkeypatch, environment, cores, expected):
-    from partial_fc_mx.bench import pfc
+    from partial_fc_mx.bench import threads
 
     for name in ("MXNET_OMP_MAX_THREADS", "OMP_NUM_THREADS"):
         monkeypatch.delenv(name, raising=False)
     for name, value in environment.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(pfc.os, "sched_getaffinity", lambda pid: set(range(cores)))
-    monkeypatch.setattr(pfc.platform, "machine", lambda: "x86_64")
-    assert pfc.rank_threads() == expected
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setattr(threads.platform, "machine", lambda: "x86_64")
+    assert threads.rank_threads() == expected
 
 
 def test_numpy_sgemm_runs_with_the_thread_count_asked_for():

@@ -110,9 +110,10 @@ def test_memory_estimate_covers_the_buffers_an_update_keeps(optimizer, dtype):
 
 
 @pytest.mark.parametrize("classes, world, rate, problem", [
-    (4_194_303, 1, 1.0, None),  # 4,194,303 x 512 = 2^31 - 512 elements: one array holds it
-    (4_194_304, 1, 1.0, "4,194,304 x 512 = 2,147,483,648 elements, more than the "
-                        "2,147,483,647"),
+    # with the spare row (partial_fc.py): (4,194,302 + 1) x 512 = 2^31 - 512 elements
+    (4_194_302, 1, 1.0, None),
+    (4_194_303, 1, 1.0, "(4,194,303 + 1 spare) x 512 = 2,147,483,648 elements, more than "
+                        "the 2,147,483,647"),
     (9_000_000, 2, 1.0, "lower sample_rate or use at least 3 processes"),
     (9_000_000, 1, 0.1, None),  # a shard past the limit is stored in blocks
     (9_000_000, 3, 1.0, None),

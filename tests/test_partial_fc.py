@@ -57,7 +57,7 @@ def assert_every_rank_passed(result, world: int, case: str):
     ("mpirun", 3, "adaface-unequal"),
     ("horovodrun", 2, "far"),         # logits 120 apart: one rank's softmax share is 0
     ("mpirun", 3, "varying"),         # the sampled count shrinks and grows: buffer views
-    ("mpirun", 2, "nan-center"),      # a NaN center makes the loss NaN on every rank
+    ("mpirun", 2, "nan-center"),      # a NaN center: a non-finite loss on every rank
     ("python", 1, "loss-scale"),      # the fp16 loss scale is applied before the cast
     ("mpirun", 2, "loss-scale"),
     ("mpirun", 3, "blocks-sampled"),  # shards in blocks of 11 rows (past one MXNet array)
@@ -118,7 +118,31 @@ def test_the_backward_gemms_and_the_row_projection_match_float64():
     assert np.allclose(grad_x.asnumpy(), g.astype(np.float64) @ w, atol=1e-4)
     assert np.allclose(grad_w.asnumpy(), m, atol=1e-4)
     inverse = 1 / (w.astype(np.float64) ** 2).sum(axis=1)
-    project_out_rows(grad_w, mx.nd.array(w), mx.nd.array(inverse), mx.nd.zeros((7, 8)))
-    expected = m - ((m * w).sum(axis=1) * inverse)[:, None] * w
+    scale = rng.uniform(0.5, 2, 40)
+    project_out_rows(grad_w, mx.nd.array(w), mx.nd.array(inverse), mx.nd.array(scale),
+                     mx.nd.zeros((7, 8)))
+    expected = scale[:, None] * (m - ((m * w).sum(axis=1) * inverse)[:, None] * w)
     assert np.allclose(grad_w.asnumpy(), expected, atol=1e-4)
     assert np.allclose((grad_w.asnumpy() * w).sum(axis=1), 0, atol=1e-3)  # orthogonal to w
+
+
+def test_the_target_terms_add_their_entries_of_both_gemms():
+    """The target entries, left out of the GEMMs, add exactly what they would have
+    added there, also when several rows share a target column."""
+    import mxnet as mx
+
+    from partial_fc_mx.partial_fc import Targets, add_target_terms
+
+    rng = np.random.default_rng(4)
+    x, v = rng.standard_normal((6, 8)), rng.standard_normal((40, 8))
+    target_col = np.array([3, -1, 3, 39, 0, -1])  # rows 0 and 2 share column 3
+    targets = Targets.of(target_col, mx.cpu())
+    target_grad = rng.standard_normal(4)
+    entries = np.zeros((6, 40))
+    entries[[0, 2, 3, 4], [3, 3, 39, 0]] = target_grad
+    grad_x, grad_v = rng.standard_normal((6, 8)), rng.standard_normal((40, 8))
+    got_x, got_v = mx.nd.array(grad_x), mx.nd.array(grad_v)
+    add_target_terms(got_x, got_v, mx.nd.array(x), mx.nd.array(v), targets,
+                     mx.nd.array(target_grad))
+    assert np.allclose(got_x.asnumpy(), grad_x + entries @ v, atol=1e-5)
+    assert np.allclose(got_v.asnumpy(), grad_v + entries.T @ x, atol=1e-5)

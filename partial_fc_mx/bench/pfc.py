@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import os
-import platform
 import socket
 import statistics
 import time
@@ -29,19 +27,13 @@ import psutil
 from .. import dist
 from ..centers import estimate_memory, shard_of
 from ..partial_fc import PartialFC
+from . import shapes
+from .threads import rank_threads
 from .timing import MiB, PeakRSS, PhaseTimer, give_back_freed_memory, synchronized_seconds
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--classes", type=int, nargs="+", default=[1_000_000])
-    parser.add_argument("--sample-rate", type=float, default=0.1)
-    parser.add_argument("--num-sample", type=int, default=0,
-                        help="sampled centers per rank, overriding --sample-rate (to compare "
-                             "class counts at the same sample)")
-    parser.add_argument("--batch-size", type=int, default=128, help="per rank")
-    parser.add_argument("--embedding-size", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
+    shapes.add_arguments(parser)
     parser.add_argument("--fp16-centers", action="store_true",
                         help="float16 centers (twice the classes in the same memory)")
 
@@ -61,21 +53,6 @@ def run(args: argparse.Namespace) -> None:
     everyone = dist.allgather_object(mine, name="bench.results")
     if world.is_main:
         print_report(args, world, everyone)
-
-
-def rank_threads() -> int:
-    """The threads one rank's MXNet operators compute with, as MXNet 1.9 chooses them
-    (src/engine/openmp.cc): MXNET_OMP_MAX_THREADS, else OMP_NUM_THREADS, else the cores
-    the process may run on, halved on x86 (MXNet assumes two hyper-threads a core). On
-    a 2-core host that is 1 thread: FullyConnected took 160 ms as with
-    OMP_NUM_THREADS=1, 100 ms with OMP_NUM_THREADS=2."""
-    for name in ("MXNET_OMP_MAX_THREADS", "OMP_NUM_THREADS"):
-        first = os.environ.get(name, "").split(",")[0].strip()
-        if first.isdigit() and int(first) > 0:
-            return int(first)
-    cores = len(os.sched_getaffinity(0))
-    x86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
-    return max(1, cores // 2 if x86 else cores)
 
 
 def numpy_blas_threads(count: int | None = None) -> int | None:
@@ -168,10 +145,7 @@ def row_bytes(pfc: PartialFC) -> int:
 
 def bench_config(world: dist.World, ctx: mx.Context, num_classes: int, args) -> dict:
     """Median step time, phase split and memory for one class count."""
-    sample_rate = args.sample_rate
-    shard_rows = shard_of(num_classes, world.rank, world.size).count
-    if args.num_sample:
-        sample_rate = min(1.0, (args.num_sample + 0.5) / shard_rows)
+    sample_rate = shapes.sample_rate(args, shard_of(num_classes, world.rank, world.size).count)
     rss_before = psutil.Process().memory_info().rss
     timer = PhaseTimer()
     with PeakRSS() as rss:
