@@ -453,14 +453,15 @@ def estimate_memory(
     state_bytes = sum(width * np.dtype(state_dtype).itemsize for width, state_dtype in states)
     sampled = sampled_per_step(rows, sample_rate, global_batch)
     fp32 = 4
-    # float32 work copies of the sampled rows, their gradient and states, and the
-    # buffers the rows stored in another dtype are gathered through
+    # float32 work copies of the sampled rows, their scaled copy (v in partial_fc.py),
+    # their gradient and states, and the buffers the rows stored in another dtype are
+    # gathered through
     gathered = (embedding_size * np.dtype(dtype).itemsize * (dtype != "float32")
                 + sum(width * np.dtype(state_dtype).itemsize
                       for width, state_dtype in states if state_dtype != "float32"))
     # a shard in several blocks joins each block's float32 rows in one more buffer
     joined = embedding_size * fp32 * (rows > rows_per_block(embedding_size))
-    sampled_rows = sampled * ((2 * embedding_size + sum(width for width, _ in states)) * fp32
+    sampled_rows = sampled * ((3 * embedding_size + sum(width for width, _ in states)) * fp32
                               + gathered + joined)
     return MemoryEstimate(rows * embedding_size * np.dtype(dtype).itemsize, rows * state_bytes,
                           sampled_rows, LOGIT_MATRICES * global_batch * sampled * fp32)

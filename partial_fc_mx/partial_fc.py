@@ -4,17 +4,20 @@ Each rank holds a shard of the C x D class centers with their optimizer states
 (centers.py). One step, on every rank (N = the global batch, n = this rank's sampled centers):
   1. allgather labels (with each row's rank and checks) and the embeddings: N x D;
   2. sample: every positive class in the shard, plus uniform negatives up to n;
-  3. G = x_hat @ w.T (one FullyConnected), cos = G / |w|, margin on the targets, all
-     in one N x n buffer that then holds the probabilities and their gradient;
+  3. v = w s / |w| (n x D), logits = x_hat @ v.T (one FullyConnected), the margin on
+     the targets, in one N x n buffer that then holds the probabilities;
   4. allreduce(max), allreduce(sum exp, target logit): the exact softmax over the
      union of all ranks' samples, and the cross-entropy averaged over N;
-  5. gradients: sampled centers (kept for `step`) and all N embeddings, summed over
-     ranks with one allreduce; each rank keeps the rows of its own embeddings.
-The centers are normalized by scaling G's columns rather than w's rows: N x n
-multiplies instead of n x D, and w_hat is never materialized. The three GEMMs are
-explicit (no autograd): FullyConnected's forward and its backward operator, oneDNN's
-inner product on the CPU. The N x n and n x D matrices live in buffers kept across
-steps (workspace.py): a fresh array per step costs its page faults every step.
+  5. gradients: all N embeddings' (summed over ranks with one allreduce, each rank
+     keeps the rows of its own), then the sampled centers' (kept for `step`).
+At a global batch of 1024, a pass over the N x n matrix costs twice one over the
+n x D rows: the centers are normalized as rows (v), and each row's share of the
+global softmax enters the backward GEMMs through their N x D input and output, so
+the N x n matrix is written by the GEMM, maxed, softmaxed and read by the GEMMs, no
+more. The three GEMMs are explicit (no autograd): FullyConnected's forward and its
+backward operator, oneDNN's inner product on the CPU. The N x n and n x D matrices
+live in buffers kept across steps (workspace.py): a fresh array per step costs its
+page faults every step.
 """
 
 from __future__ import annotations
@@ -196,15 +199,16 @@ class PartialFC:
             grad_x_hat = grad_x_hat * row_weight
             if targets.rows is not None:
                 add_target_terms(grad_x_hat, grad_v, x_hat, v, targets, target_grad)
+            grad_x = grad_x_hat - x_hat * (x_hat * grad_x_hat).sum(axis=1, keepdims=True)
+            grad_x = grad_x * (grad_scale / x_norm)
+        with self.timer.phase("communication"):  # runs while the centers' side is computed
+            grad_x = hvd.allreduce(grad_x, op=hvd.Sum, name="pfc.grad_x")
+        with self.timer.phase("compute"):
             # v_j = w_j s / |w_j|: d loss / d w_j = s / |w_j| (dv_j less its part along
             # w_j): n x D work, in chunks, with no n x D temporary
             chunk = (min(len(w), chunk_rows(w)), w.shape[1])
             project_out_rows(grad_v, w, (w_scale / self.margin.scale) ** 2, w_scale,
                              self.buffers.get("row_chunk", chunk))
-            grad_x = grad_x_hat - x_hat * (x_hat * grad_x_hat).sum(axis=1, keepdims=True)
-            grad_x = grad_x * (grad_scale / x_norm)
-        with self.timer.phase("communication"):
-            grad_x = hvd.allreduce(grad_x, op=hvd.Sum, name="pfc.grad_x")
         self._pending = (index, w, grad_v)
         mine = grad_x[batch.mine_start:batch.mine_stop]
         return loss, mine.astype(embeddings.dtype, copy=False)
@@ -333,11 +337,14 @@ class GatheredBatch:
 
 @dataclass
 class Targets:
-    """The (row, column) of every target logit that lives in this rank's sample."""
+    """The (row, column) of every target logit that lives in this rank's sample, and
+    the distinct columns among them with each target's slot in that list."""
 
     rows: mx.nd.NDArray | None
     cols: mx.nd.NDArray | None
     where: mx.nd.NDArray | None
+    distinct_cols: mx.nd.NDArray | None = None
+    slots: mx.nd.NDArray | None = None
     logits: mx.nd.NDArray | None = None
     slopes: mx.nd.NDArray | None = None
 
@@ -347,8 +354,10 @@ class Targets:
         if len(rows) == 0:
             return cls(None, None, None)
         cols = target_col[rows]
+        distinct_cols, slots = np.unique(cols, return_inverse=True)
         as_nd = lambda a: mx.nd.array(a, ctx=ctx, dtype="int64")  # noqa: E731
-        return cls(as_nd(rows), as_nd(cols), as_nd(np.stack([rows, cols])))
+        return cls(as_nd(rows), as_nd(cols), as_nd(np.stack([rows, cols])),
+                   as_nd(distinct_cols), as_nd(slots))
 
 
 # Row sums and row maxima through a GEMV and a max pooling: on CPU these run 2-10x
@@ -431,11 +440,10 @@ def add_target_terms(grad_x_hat: mx.nd.NDArray, grad_v: mx.nd.NDArray, x_hat: mx
     weights = target_grad.reshape((-1, 1))
     grad_x_hat += scatter_add_rows(mx.nd.take(v, targets.cols) * weights,
                                    targets.rows, grad_x_hat.shape[0])
-    columns, slot = np.unique(targets.cols.asnumpy(), return_inverse=True)
-    columns = mx.nd.array(columns, ctx=v.context, dtype="int64")
-    slot = mx.nd.array(slot, ctx=v.context, dtype="int64")
-    summed = scatter_add_rows(mx.nd.take(x_hat, targets.rows) * weights, slot, len(columns))
-    set_entries(grad_v, columns.reshape((1, -1)), mx.nd.take(grad_v, columns) + summed)
+    summed = scatter_add_rows(mx.nd.take(x_hat, targets.rows) * weights, targets.slots,
+                              len(targets.distinct_cols))
+    columns = targets.distinct_cols.reshape((1, -1))
+    set_entries(grad_v, columns, mx.nd.take(grad_v, targets.distinct_cols) + summed)
 
 
 def scatter_add_rows(values: mx.nd.NDArray, rows: mx.nd.NDArray, count: int) -> mx.nd.NDArray:
