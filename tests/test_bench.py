@@ -64,7 +64,8 @@ def test_every_benchmark_module_is_listed_with_its_arguments_and_run():
     from partial_fc_mx.bench.__main__ import BENCHMARKS
 
     folder = Path(importlib.import_module("partial_fc_mx.bench").__file__).parent
-    modules = {path.stem for path in folder.glob("*.py")} - {"__init__", "__main__", "timing"}
+    helpers = {"__init__", "__main__", "timing", "shapes", "threads"}
+    modules = {path.stem for path in folder.glob("*.py")} - helpers
     assert set(BENCHMARKS) == modules
     for name in BENCHMARKS:
         module = importlib.import_module(f"partial_fc_mx.bench.{name}")
@@ -329,3 +330,32 @@ def test_ops_bench_rates_every_gemm_against_the_forward():
     assert len(rates) == 5 and names[0].startswith("G = x w^T: FullyConnected forward")
     assert float(rates[0][2]) == 1.0 and all(float(rate) > 0 for _, rate, *_ in rates)
     assert [bool(flag) for *_, flag in rates] == [float(r) > 1.2 for _, _, r, _, _ in rates]
+
+
+def test_the_anchor_names_the_arcface_torch_file_it_lacks(tmp_path):
+    """bench anchor runs insightface's own files: a wrong folder is named, with where
+    the files come from, before torch is imported or any process waits for another."""
+    from partial_fc_mx.bench.anchor import load_reference
+    from partial_fc_mx.errors import UserError
+
+    (tmp_path / "partial_fc_v2.py").write_text("VERSION = 2\n")
+    missing = re.escape(str(tmp_path / "losses.py"))
+    with pytest.raises(UserError, match=f"{missing} does not exist.*insightface"):
+        load_reference(tmp_path)
+    (tmp_path / "losses.py").write_text("SCALE = 64\n")
+    modules = load_reference(tmp_path)
+    assert modules["partial_fc_v2"].VERSION == 2 and modules["losses"].SCALE == 64
+
+
+@pytest.mark.parametrize("shard_rows", [7, 1000, 499_999, 500_000, 5_000_001])
+def test_both_benchmarks_sample_the_centers_asked_for(shard_rows):
+    """bench pfc and bench anchor turn --num-sample into a sample rate that both
+    implementations truncate back to the same count (int(rate * rows))."""
+    import argparse
+
+    from partial_fc_mx.bench import shapes
+    from partial_fc_mx.centers import num_sample
+
+    for wanted in (1, 3, shard_rows // 10 or 1, shard_rows):
+        args = argparse.Namespace(num_sample=wanted, sample_rate=0.1)
+        assert num_sample(shard_rows, shapes.sample_rate(args, shard_rows)) == wanted

@@ -29,19 +29,19 @@ def run(args: argparse.Namespace) -> None:
     w = mx.nd.array(rng.standard_normal((n_cols, depth)))
     g = mx.nd.array(rng.standard_normal((n_rows, n_cols)))
     grad_x, grad_w = mx.nd.zeros((n_rows, depth)), mx.nd.zeros((n_cols, depth))
-    ones_cols = mx.nd.ones((1, n_cols))
+    ones_depth = mx.nd.ones((1, depth))
     print(f"operators at B={n_rows}, n={n_cols}, D={depth}, one process, MXNet {mx.__version__}")
     print_gemm_rates(x, w, g, grad_x, grad_w)
     choices = {
-        "row sums of the B x n logits": {
+        "row sums of an n x D product (the centers' gradient projection)": {
             "FullyConnected(m, ones) (used)": (
-                lambda: mx.nd.FullyConnected(g, ones_cols, num_hidden=1, no_bias=True), 0),
-            "sum(axis=1)": (lambda: g.sum(axis=1), 0),
+                lambda: mx.nd.FullyConnected(w, ones_depth, num_hidden=1, no_bias=True), 0),
+            "sum(axis=1)": (lambda: w.sum(axis=1), 0),
         },
         "norms of the n x D sampled centers": {
             "sqrt(FullyConnected(square(w), ones)) (used)": (
                 lambda: mx.nd.sqrt(mx.nd.FullyConnected(
-                    mx.nd.square(w), mx.nd.ones((1, depth)), num_hidden=1, no_bias=True)), 0),
+                    mx.nd.square(w), ones_depth, num_hidden=1, no_bias=True)), 0),
             "norm(axis=1)": (lambda: mx.nd.norm(w, axis=1), 0),
         },
     }
