@@ -375,7 +375,8 @@ def tensor_size_problem(num_classes: int, world_size: int, embedding_size: int,
                 f"{TOO_MANY_ELEMENTS}; lower sample_rate or use at least {fewest} processes")
     if global_batch * (sampled + SPARE_CENTERS) > INT32_ELEMENTS:
         return (f"the logits of a global batch of {global_batch} against the {sampled} "
-                f"centers one process samples have {global_batch * sampled:,} elements, "
+                f"centers one process samples (+{SPARE_CENTERS} spare) have "
+                f"{global_batch * (sampled + SPARE_CENTERS):,} elements, "
                 f"{TOO_MANY_ELEMENTS}; more processes do not help (their product is about "
                 f"batch_size x sample_rate x num_classes): lower sample_rate or batch_size")
     return None
@@ -406,10 +407,10 @@ class MemoryEstimate:
     states: int
     """Their optimizer states, resident for the whole run."""
     sampled_rows: int
-    """Per step: the sampled rows (weights, gradient, states) in float32 and the
-    buffers they are gathered through."""
+    """Per step: the sampled rows (weights, their scaled copy v, gradient, states) in
+    float32 and the buffers they are gathered through."""
     logits: int
-    """Per step: the N x n matrices (logits, probabilities and their gradient)."""
+    """Per step: the N x n matrices (the logits, then the probabilities)."""
 
     @property
     def centers(self) -> int:
@@ -425,14 +426,15 @@ class MemoryEstimate:
 
 
 SPARE_CENTERS = 1
-"""A zero row after the sampled centers in the step's arrays: its column of the logits
-carries each row's max through the softmax (partial_fc.py)."""
+"""The zero row after the sampled centers in the step's arrays, whose column of the
+logits carries each row's max through the softmax (partial_fc.spare_column). One, by
+construction, not a setting: the sizes checked and estimated count it."""
 
 LOGIT_MATRICES = 2
-"""N x n float32 matrices counted per step: the one buffer of the logits (the Gram
-matrix scaled in place, then the softmax's probabilities, then their gradient), and
-one more as a margin for MXNet's own temporaries (resident memory measured 0.96x this
-estimate at N = 1024, n = 50,000; docs/benchmarks.md)."""
+"""N x n float32 matrices counted per step: the one buffer of the logits (then the
+softmax's probabilities, which the backward GEMMs read), and one more as a margin for
+MXNet's own temporaries (resident memory measured 0.96x this estimate at N = 1024,
+n = 50,000, before the scaled rows v were added to the estimate; docs/benchmarks.md)."""
 
 
 def estimate_memory(

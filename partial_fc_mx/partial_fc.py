@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import horovod.mxnet as hvd
 import mxnet as mx
@@ -171,7 +171,8 @@ class PartialFC:
             # MXNet's softmax has the fast vectorized exp (mx.nd.exp is 5-8x slower on
             # CPU), but keeps its sum. With the row's max in the spare column its entry
             # there is exp(0) / (1 + local_sum): this rank's exp-sum, which a NaN
-            # anywhere in the row turns into NaN (the pooled max skips it).
+            # anywhere in the row makes non-finite (Inf with the CPU build's softmax),
+            # where the pooled max alone would skip it.
             set_entries(logits, spare, local_max)
             prob = mx.nd.softmax(logits, axis=1, out=logits)
             shift = mx.nd.exp(local_max - row_max)
@@ -337,14 +338,16 @@ class GatheredBatch:
 
 @dataclass
 class Targets:
-    """The (row, column) of every target logit that lives in this rank's sample, and
-    the distinct columns among them with each target's slot in that list."""
+    """The (row, column) of every target logit that lives in this rank's sample.
+    `rounds` splits the targets into groups with distinct columns (the first target
+    of each column, then the second, ...): (their positions among the targets, their
+    columns), so that adding per column needs no scatter-add, whose atomic order
+    would vary from run to run."""
 
     rows: mx.nd.NDArray | None
     cols: mx.nd.NDArray | None
     where: mx.nd.NDArray | None
-    distinct_cols: mx.nd.NDArray | None = None
-    slots: mx.nd.NDArray | None = None
+    rounds: list = field(default_factory=list)
     logits: mx.nd.NDArray | None = None
     slopes: mx.nd.NDArray | None = None
 
@@ -354,10 +357,14 @@ class Targets:
         if len(rows) == 0:
             return cls(None, None, None)
         cols = target_col[rows]
-        distinct_cols, slots = np.unique(cols, return_inverse=True)
         as_nd = lambda a: mx.nd.array(a, ctx=ctx, dtype="int64")  # noqa: E731
-        return cls(as_nd(rows), as_nd(cols), as_nd(np.stack([rows, cols])),
-                   as_nd(distinct_cols), as_nd(slots))
+        order = np.argsort(cols, kind="stable")
+        first = np.searchsorted(cols[order], cols[order])  # each column's first place
+        occurrence = np.empty_like(order)
+        occurrence[order] = np.arange(len(order)) - first
+        rounds = [(as_nd(np.flatnonzero(occurrence == k)), as_nd(cols[occurrence == k]))
+                  for k in range(occurrence.max() + 1)]
+        return cls(as_nd(rows), as_nd(cols), as_nd(np.stack([rows, cols])), rounds)
 
 
 # Row sums and row maxima through a GEMV and a max pooling: on CPU these run 2-10x
@@ -435,21 +442,18 @@ def spare_column(logits: mx.nd.NDArray) -> mx.nd.NDArray:
 def add_target_terms(grad_x_hat: mx.nd.NDArray, grad_v: mx.nd.NDArray, x_hat: mx.nd.NDArray,
                      v: mx.nd.NDArray, targets: Targets, target_grad: mx.nd.NDArray) -> None:
     """The target entries' part of both GEMMs, left out of them (target_grad_i at row
-    i, column t_i): grad_x_hat_i += target_grad_i v_(t_i), grad_v_t += the sum of
-    target_grad_i x_hat_i over the rows whose target is t. In place; T x D work."""
+    i, column t_i): grad_x_hat_i += target_grad_i v_(t_i), grad_v_t += target_grad_i
+    x_hat_i for each target of column t, in the targets' order. In place; T x D work."""
     weights = target_grad.reshape((-1, 1))
-    grad_x_hat += scatter_add_rows(mx.nd.take(v, targets.cols) * weights,
-                                   targets.rows, grad_x_hat.shape[0])
-    summed = scatter_add_rows(mx.nd.take(x_hat, targets.rows) * weights, targets.slots,
-                              len(targets.distinct_cols))
-    columns = targets.distinct_cols.reshape((1, -1))
-    set_entries(grad_v, columns, mx.nd.take(grad_v, targets.distinct_cols) + summed)
+    add_rows(grad_x_hat, targets.rows, mx.nd.take(v, targets.cols) * weights)
+    for_centers = mx.nd.take(x_hat, targets.rows) * weights
+    for positions, cols in targets.rounds:
+        add_rows(grad_v, cols, mx.nd.take(for_centers, positions))
 
 
-def scatter_add_rows(values: mx.nd.NDArray, rows: mx.nd.NDArray, count: int) -> mx.nd.NDArray:
-    """A count x width matrix whose row r is the sum of the `values` rows with rows == r."""
-    return mx.nd._internal._backward_gather_nd(values, rows.reshape((1, -1)),
-                                               shape=(count, values.shape[1]))
+def add_rows(matrix: mx.nd.NDArray, rows: mx.nd.NDArray, values: mx.nd.NDArray) -> None:
+    """matrix[rows] += values, in place, for distinct rows."""
+    set_entries(matrix, rows.reshape((1, -1)), mx.nd.take(matrix, rows) + values)
 
 
 def row_maxes(matrix: mx.nd.NDArray) -> mx.nd.NDArray:

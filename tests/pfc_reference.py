@@ -1,7 +1,8 @@
 """A float64 full-softmax classifier written the plain way, for exactness tests.
 
-It normalizes rows explicitly and back-propagates through the normalization
-(where PartialFC scales the logit columns instead), so the two share no shortcut.
+It normalizes rows explicitly and back-propagates through the normalization with the
+plain chain rule (where PartialFC projects each center's gradient, weights the rows
+inside its GEMMs and adds the target entries apart), so the two share no shortcut.
 """
 
 from __future__ import annotations

@@ -224,7 +224,8 @@ def run_bad_input(case: str, rank: int, world: int) -> str:
 def run_nan_center(rank: int, world: int) -> str:
     """A NaN in one rank's sampled centers must make the loss non-finite on every rank
     (the trainer stops on it), not be skipped by the pooled row maxima. (The CPU's
-    softmax turns the row's sum into Inf, so its spare entry into 0: loss Inf.)"""
+    softmax turns the row's sum into Inf, so its spare entry into 0: loss Inf, or NaN
+    where that rank's share underflows to 0.)"""
     pfc = PartialFC(20, 8, rank=rank, world_size=world)
     if rank == world - 1:
         weight = pfc.centers.state_dict()["weight"]

@@ -359,3 +359,14 @@ def test_both_benchmarks_sample_the_centers_asked_for(shard_rows):
     for wanted in (1, 3, shard_rows // 10 or 1, shard_rows):
         args = argparse.Namespace(num_sample=wanted, sample_rate=0.1)
         assert num_sample(shard_rows, shapes.sample_rate(args, shard_rows)) == wanted
+
+
+def test_a_benchmark_reports_a_user_error_without_a_traceback(tmp_path, capsys):
+    from partial_fc_mx.bench.__main__ import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["anchor", "--arcface-torch", str(tmp_path)])
+    assert stopped.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: ") and "partial_fc_v2.py does not exist" in error
+    assert "Traceback" not in error

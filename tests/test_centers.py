@@ -132,6 +132,10 @@ def test_logits_larger_than_one_mxnet_array_are_named():
     found = tensor_size_problem(8_000_000, 8, 512, sample_rate=1.0, global_batch=4096)
     assert "global batch of 4096 against the 1000000 centers one process samples" in found
     assert tensor_size_problem(8_000_000, 8, 512, sample_rate=0.1, global_batch=4096) is None
+    # the boundary, with the spare column: 1024 x (2,097,150 + 1) = 2^31 - 1024 elements
+    assert tensor_size_problem(2_097_150, 1, 8, global_batch=1024) is None
+    found = tensor_size_problem(2_097_151, 1, 8, global_batch=1024)
+    assert "(+1 spare) have 2,147,483,648 elements" in found
 
 
 def test_an_int64_build_has_no_size_limit(monkeypatch):

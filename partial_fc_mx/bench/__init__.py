@@ -1,4 +1,4 @@
-"""Benchmarks that print figures: `python -m partial_fc_mx.bench {pfc,train,ops,data,save,ijb}`.
+"""Benchmarks that print figures: `python -m partial_fc_mx.bench COMMAND` (`--help` lists them).
 
 One module per benchmark, each with `add_arguments(parser)` and `run(args)`, listed in
 __main__.BENCHMARKS (imported only when chosen).

@@ -13,6 +13,8 @@ import argparse
 import importlib
 import sys
 
+from ..errors import UserError
+
 BENCHMARKS = {
     "pfc": "one Partial FC step: time, GEMM speed, memory",
     "train": "the whole training step: Partial FC against a data-parallel FC",
@@ -50,7 +52,11 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
-    args.func(args)
+    try:
+        args.func(args)
+    except UserError as error:  # a message that names the fix, not a traceback
+        sys.stderr.write(f"error: {error}\n")
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -4,15 +4,20 @@ user names, in an environment with torch (CPU) and no MXNet:
 
     git clone https://github.com/deepinsight/insightface
     python -m venv torch-venv && torch-venv/bin/pip install torch numpy
-    PYTHONPATH=$PWD/partial_fc_mx torch-venv/bin/torchrun --nproc-per-node 2 \\
+    OMP_NUM_THREADS=1 PYTHONPATH=<checkout> torch-venv/bin/torchrun --nproc-per-node 2 \\
         -m partial_fc_mx.bench anchor --arcface-torch insightface/recognition/arcface_torch \\
         --classes 1000000 --sample-rate 0.1 --batch-size 512
 
-One step is what arcface_torch's train_v2.py does for the classifier: forward, loss
+Give `bench pfc` the same OMP_NUM_THREADS: torchrun sets 1 where it is unset, MXNet
+under horovodrun takes half the cores; both reports print their T. One step is what
+arcface_torch's train_v2.py does for the classifier: forward, loss
 (CombinedMarginLoss: ArcFace, s = 64, m = 0.5), backward into the embeddings and the
-centers, SGD with momentum 0.9 and weight decay 5e-4, zero_grad. The embeddings are a
-leaf that needs its gradient, as a backbone's output would. torch and insightface are
-imported only here: nothing of the project depends on them.
+centers (a dense gradient of the whole shard, as `weight[index]` gives), SGD with
+momentum 0.9 and weight decay 5e-4 (on every row of the shard, as torch's SGD does),
+zero_grad. Ours updates the sampled rows only (lazy_update, insightface's MXNet
+reference's rule). The embeddings are a leaf that needs its gradient, as a backbone's
+output would. torch and insightface are imported only here: nothing of the project
+depends on them.
 """
 
 from __future__ import annotations
@@ -45,8 +50,8 @@ def run(args: argparse.Namespace) -> None:
 
     distributed.init_process_group("gloo")  # torchrun's environment
     torch.set_num_threads(rank_threads())
-    if not torch.cuda.is_available():  # the reference moves each tensor it makes to .cuda()
-        torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    # a CPU run even where torch sees a GPU: the reference moves each tensor it makes
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
     mine = [bench_config(torch, reference, num_classes, args) for num_classes in
             sorted(args.classes)]
     everyone = [None] * distributed.get_world_size()
@@ -102,7 +107,8 @@ def bench_config(torch, reference: dict, num_classes: int, args) -> dict:
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    return {"classes": num_classes, "sampled": pfc.num_sample, "step_ms": 1e3 *
+    sampled = len(pfc.weight_index) if pfc.sample_rate < 1 else shard_rows
+    return {"classes": num_classes, "sampled": sampled, "step_ms": 1e3 *
             statistics.median(times), "first_loss": losses[0], "threads": torch.get_num_threads(),
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
