@@ -81,6 +81,7 @@ def bench_config(torch, reference: dict, num_classes: int, args) -> dict:
     from torch import distributed
 
     rank, world = distributed.get_rank(), distributed.get_world_size()
+    # PartialFC_V2's own split (centers.shard_of's, which needs MXNet, not here)
     shard_rows = num_classes // world + (rank < num_classes % world)
     torch.manual_seed(rank)
     margin = reference["losses"].CombinedMarginLoss(64.0, 1.0, 0.5, 0.0)
