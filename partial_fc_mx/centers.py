@@ -427,7 +427,7 @@ class MemoryEstimate:
 
 SPARE_CENTERS = 1
 """The zero row after the sampled centers in the step's arrays, whose column of the
-logits carries each row's max through the softmax (partial_fc.spare_column). One, by
+logits carries each row's max through the softmax (rows.spare_column). One, by
 construction, not a setting: the sizes checked and estimated count it."""
 
 LOGIT_MATRICES = 2

@@ -45,6 +45,7 @@ from .centers import (
 from .errors import UserError
 from .margins import Margin
 from .margins.combined import CombinedMargin
+from .rows import row_passes, set_entries, spare_column
 from .sampling import sample_excluding
 from .workspace import Workspace
 
@@ -118,6 +119,7 @@ class PartialFC:
         self._pending = None  # (index, sampled weights, their gradient) until step()
         self._last_rows = None  # shard rows sampled in the last step; None: all
         self.buffers = Workspace(self.ctx)  # logits, both GEMM gradients, row chunks
+        self.rows = row_passes(self.ctx, self.buffers)  # fused kernels on the CPU
 
     @property
     def weight(self) -> mx.nd.NDArray:
@@ -155,28 +157,22 @@ class PartialFC:
             norms = x_norm.reshape(-1)
             self.margin.observe(norms)
             w = self.centers.sampled_weights(index)
-            w_scale = self._row_scale(w)
-            v = self._scaled_centers(w, w_scale)
+            v, w_scale = self._scaled_centers(w)
         with self.timer.phase("gemm"):
             logits = mx.nd.FullyConnected(x_hat, v, num_hidden=v.shape[0], no_bias=True,
                                           out=self._buffer("logits", x_hat, v))
         with self.timer.phase("compute"):
             targets = self._apply_margin(logits, norms, target_col)
-            spare = spare_column(logits)
-            set_entries(logits, spare, mx.nd.full(len(logits), -np.inf, ctx=self.ctx))
-            local_max = row_maxes(logits)
+            # this rank's softmax, in place; with the row's max in the spare column, its
+            # entry there is exp(0) / (1 + local_sum): this rank's exp-sum, which a NaN
+            # anywhere in the row makes non-finite, where the max alone would skip it
+            local_max = self.rows.softmax_with_spare(logits)
+            prob = logits
         with self.timer.phase("communication"):
             row_max = hvd.allreduce(local_max, op=hvd.Max, name="pfc.max")
         with self.timer.phase("compute"):
-            # MXNet's softmax has the fast vectorized exp (mx.nd.exp is 5-8x slower on
-            # CPU), but keeps its sum. With the row's max in the spare column its entry
-            # there is exp(0) / (1 + local_sum): this rank's exp-sum, which a NaN
-            # anywhere in the row makes non-finite (Inf with the CPU build's softmax),
-            # where the pooled max alone would skip it.
-            set_entries(logits, spare, local_max)
-            prob = mx.nd.softmax(logits, axis=1, out=logits)
             shift = mx.nd.exp(local_max - row_max)
-            with_spare = 1 / mx.nd.gather_nd(prob, spare)
+            with_spare = 1 / mx.nd.gather_nd(prob, spare_column(prob))
             local_sum = (with_spare - 1) * shift
             target_logit = mx.nd.zeros_like(row_max)
             if targets.rows is not None:
@@ -206,10 +202,8 @@ class PartialFC:
             grad_x = hvd.allreduce(grad_x, op=hvd.Sum, name="pfc.grad_x")
         with self.timer.phase("compute"):
             # v_j = w_j s / |w_j|: d loss / d w_j = s / |w_j| (dv_j less its part along
-            # w_j): n x D work, in chunks, with no n x D temporary
-            chunk = (min(len(w), chunk_rows(w)), w.shape[1])
-            project_out_rows(grad_v, w, (w_scale / self.margin.scale) ** 2, w_scale,
-                             self.buffers.get("row_chunk", chunk))
+            # w_j), in place
+            self.rows.project(grad_v, w, (w_scale / self.margin.scale) ** 2, w_scale)
         self._pending = (index, w, grad_v)
         mine = grad_x[batch.mine_start:batch.mine_stop]
         return loss, mine.astype(embeddings.dtype, copy=False)
@@ -293,19 +287,13 @@ class PartialFC:
         shape = rows.shape if cols is None else (rows.shape[0], cols.shape[0])
         return self.buffers.get(name, shape)
 
-    def _row_scale(self, w: mx.nd.NDArray) -> mx.nd.NDArray:
-        """s / |w_j|. The squares go to the centers' gradient buffer, unused until the
-        backward GEMMs."""
-        squares = self.buffers.get("grad_w", (len(w) + SPARE_CENTERS, w.shape[1]))[:len(w)]
-        return self.margin.scale / mx.nd.sqrt(row_sums(mx.nd.square(w, out=squares)))
-
-    def _scaled_centers(self, w: mx.nd.NDArray, w_scale: mx.nd.NDArray) -> mx.nd.NDArray:
-        """v = w s / |w| (x_hat @ v^T is then the logits), and the spare zero row after
-        them, whose logits' column carries each row's max through the softmax."""
+    def _scaled_centers(self, w: mx.nd.NDArray) -> tuple:
+        """v = w s / |w| (x_hat @ v^T is then the logits) with the spare zero row after
+        them, whose logits' column carries each row's max through the softmax; and s / |w|."""
         v = self.buffers.get("v", (len(w) + SPARE_CENTERS, w.shape[1]))
-        mx.nd.broadcast_mul(w, w_scale.reshape((-1, 1)), out=v[:len(w)])
+        w_scale = self.rows.scale(w, self.margin.scale, out=v[:len(w)])
         v[len(w):] = 0
-        return v
+        return v, w_scale
 
     def _apply_margin(self, logits, norms, target_col: np.ndarray) -> Targets:
         """The margin on the target logits in this shard, in place; the targets with
@@ -367,19 +355,6 @@ class Targets:
         return cls(as_nd(rows), as_nd(cols), as_nd(np.stack([rows, cols])), rounds)
 
 
-# Row sums and row maxima through a GEMV and a max pooling: on CPU these run 2-10x
-# faster than MXNet's sum(axis=...) and max(axis=1) reductions
-# (docs/benchmarks.md).
-def row_sums(matrix: mx.nd.NDArray, ones: mx.nd.NDArray | None = None) -> mx.nd.NDArray:
-    """`ones`: ones_row of the matrix's width, for a caller that sums many matrices."""
-    ones = ones_row(matrix.shape[1], matrix) if ones is None else ones
-    return mx.nd.FullyConnected(matrix, ones, num_hidden=1, no_bias=True).reshape(-1)
-
-
-def ones_row(width: int, like: mx.nd.NDArray) -> mx.nd.NDArray:
-    return mx.nd.ones((1, width), ctx=like.context, dtype=like.dtype)
-
-
 def fully_connected_backward(grad_out: mx.nd.NDArray, data: mx.nd.NDArray,
                              weight: mx.nd.NDArray, grad_data: mx.nd.NDArray,
                              grad_weight: mx.nd.NDArray) -> None:
@@ -402,43 +377,6 @@ def fully_connected_backward_op() -> int:
     return handle.value
 
 
-MAX_CHUNKS = 32
-"""At most this many chunks per projection: on a GPU, or at a million sampled rows, a
-chunk is a few operator calls, and calls must not outnumber the work."""
-
-
-def chunk_rows(matrix: mx.nd.NDArray) -> int:
-    """Rows of `matrix` in about 4 MiB, where a chunk and its scratch stay in the CPU's
-    cache, or a 1/MAX_CHUNKS of them when that is more."""
-    return max(1, 2**20 // matrix.shape[1], -(-matrix.shape[0] // MAX_CHUNKS))
-
-
-def project_out_rows(grad: mx.nd.NDArray, rows: mx.nd.NDArray, inverse_square_norms,
-                     row_scale, scratch: mx.nd.NDArray) -> None:
-    """grad_j = row_scale_j * (grad_j - (grad_j . rows_j) * inverse_square_norms_j * rows_j)
-    for every row j, in place, a chunk of rows at a time through `scratch` (no n x D
-    temporary)."""
-    step = max(1, scratch.shape[0])
-    ones = ones_row(grad.shape[1], grad)
-    for start in range(0, grad.shape[0], step):
-        stop = min(start + step, grad.shape[0])
-        grad_part, rows_part = grad[start:stop], rows[start:stop]
-        scale = row_scale[start:stop].reshape((-1, 1))
-        work = scratch[:stop - start]
-        mx.nd.elemwise_mul(grad_part, rows_part, out=work)
-        coefficient = row_sums(work, ones) * inverse_square_norms[start:stop]
-        mx.nd.broadcast_mul(rows_part, coefficient.reshape((-1, 1)), out=work)
-        mx.nd.elemwise_sub(grad_part, work, out=grad_part)
-        mx.nd.broadcast_mul(grad_part, scale, out=grad_part)
-
-
-def spare_column(logits: mx.nd.NDArray) -> mx.nd.NDArray:
-    """The (row, column) indices of the logits' last column, the spare center's."""
-    rows = np.arange(len(logits))
-    where = np.stack([rows, np.full_like(rows, logits.shape[1] - 1)])
-    return mx.nd.array(where, ctx=logits.context, dtype="int64")
-
-
 def add_target_terms(grad_x_hat: mx.nd.NDArray, grad_v: mx.nd.NDArray, x_hat: mx.nd.NDArray,
                      v: mx.nd.NDArray, targets: Targets, target_grad: mx.nd.NDArray) -> None:
     """The target entries' part of both GEMMs, left out of them (target_grad_i at row
@@ -454,23 +392,6 @@ def add_target_terms(grad_x_hat: mx.nd.NDArray, grad_v: mx.nd.NDArray, x_hat: mx
 def add_rows(matrix: mx.nd.NDArray, rows: mx.nd.NDArray, values: mx.nd.NDArray) -> None:
     """matrix[rows] += values, in place, for distinct rows."""
     set_entries(matrix, rows.reshape((1, -1)), mx.nd.take(matrix, rows) + values)
-
-
-def row_maxes(matrix: mx.nd.NDArray) -> mx.nd.NDArray:
-    """A global max pooling on CPU (NaN is skipped there, unlike max(axis=1)); on GPU,
-    where pooling runs one thread per row, MXNet's reduction."""
-    if matrix.context.device_type != "cpu":
-        return matrix.max(axis=1)
-    rows, cols = matrix.shape
-    return mx.nd.Pooling(matrix.reshape((1, rows, 1, cols)), kernel=(1, 1), global_pool=True,
-                         pool_type="max").reshape(-1)
-
-
-def set_entries(matrix: mx.nd.NDArray, where: mx.nd.NDArray, values: mx.nd.NDArray) -> None:
-    """matrix[where[0], where[1], ...] = values, in place: `where` holds an index into
-    each of the matrix's first len(where) axes (entries, or whole rows)."""
-    mx.nd._internal._scatter_set_nd(lhs=matrix, rhs=values, indices=where,
-                                    shape=matrix.shape, out=matrix)
 
 
 class NoTimer:

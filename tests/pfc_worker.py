@@ -8,7 +8,8 @@ and compares with the float64 full-softmax reference in pfc_reference.py. It pri
                                           fp16, fp16-sampled, bf16, adamw, adamw-sampled,
                                           adamw-fp16-sampled, adamw-dense-sampled,
                                           adaface, adaface-sampled, adaface-unequal,
-                                          far, varying, nan-center,
+                                          far, varying, nan-center, composed-sampled,
+                                          composed-unequal,
                                           bad-label, nonfinite, width, loss-scale)
 """
 
@@ -29,6 +30,7 @@ from partial_fc_mx.center_optimizers.adamw import AdamW  # noqa: E402
 from partial_fc_mx.center_optimizers.sgd import SGD  # noqa: E402
 from partial_fc_mx.margins.adaface import AdaFace  # noqa: E402
 from partial_fc_mx.partial_fc import PartialFC, PartialFCInputError  # noqa: E402
+from partial_fc_mx.rows import ComposedRows, FusedRows  # noqa: E402
 
 LR, MU, WD = 0.5, 0.9, 5e-4
 LR_ADAMW = 0.01
@@ -121,6 +123,9 @@ def run_steps(case: str, rank: int, world: int) -> dict:
                     margin=margin, scale=scale, fp16_centers=fp16, seed=7, lazy_update=lazy,
                     optimizer=optimizer, center_block_rows=11 if "blocks" in case else None)
     assert len(pfc.centers.blocks) == (-(-pfc.shard.count // 11) if "blocks" in case else 1)
+    assert isinstance(pfc.rows, FusedRows)  # the CPU's
+    if "composed" in case:  # the row passes a GPU runs, from MXNet operators
+        pfc.rows = ComposedRows(pfc.buffers)
     shard = slice(pfc.shard.start, pfc.shard.stop)
     stored = {name: parts[0].dtype for name, parts in pfc.centers.arrays().items()}
     # the reference starts from the same (rounded) values

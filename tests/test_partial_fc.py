@@ -63,6 +63,8 @@ def assert_every_rank_passed(result, world: int, case: str):
     ("mpirun", 3, "blocks-sampled"),  # shards in blocks of 11 rows (past one MXNet array)
     ("horovodrun", 2, "blocks-adamw-fp16-sampled"),
     ("mpirun", 2, "blocks-dense-sampled"),
+    ("mpirun", 2, "composed-sampled"),  # the row passes from MXNet operators (a GPU's)
+    ("horovodrun", 3, "composed-unequal"),
 ])
 def test_matches_the_full_softmax_reference(launcher, world, case):
     assert_every_rank_passed(launch(launcher, world, case), world, case)
@@ -107,7 +109,8 @@ def test_the_backward_gemms_and_the_row_projection_match_float64():
     of 7 rows over 40: the last one partial)."""
     import mxnet as mx
 
-    from partial_fc_mx.partial_fc import fully_connected_backward, project_out_rows
+    from partial_fc_mx.partial_fc import fully_connected_backward
+    from partial_fc_mx.rows import project_out_rows
 
     rng = np.random.default_rng(3)
     g, x, w = (rng.standard_normal(shape).astype(np.float32)

@@ -31,8 +31,8 @@ from pathlib import Path
 from types import ModuleType
 
 from ..errors import UserError
+from ..threads import rank_threads
 from . import shapes
-from .threads import rank_threads
 
 REFERENCE_FILES = ("partial_fc_v2.py", "losses.py")
 

@@ -27,8 +27,8 @@ import psutil
 from .. import dist
 from ..centers import estimate_memory, shard_of
 from ..partial_fc import PartialFC
+from ..threads import rank_threads
 from . import shapes
-from .threads import rank_threads
 from .timing import MiB, PeakRSS, PhaseTimer, give_back_freed_memory, synchronized_seconds
 
 

@@ -1,5 +1,6 @@
-"""The thread count of one rank's operators, for benchmarks that compare libraries
-at the same count (MXNet's, numpy's OpenBLAS, torch's); no MXNet import."""
+"""The thread count of one rank's operators: what MXNet's own use, for the fused
+kernels (kernels/) and for benchmarks that compare libraries at the same count
+(MXNet's, numpy's OpenBLAS, torch's); no MXNet import."""
 
 from __future__ import annotations
 

@@ -1,0 +1,244 @@
+// The row-wise passes of one Partial FC step, fused for the CPU (partial_fc_mx/rows.py).
+//
+// Composed of MXNet operators, each of these passes is 2-5 operators, and each operator
+// is a pass of its own over an N x n or n x D matrix: at N = 1024 and 50,000 sampled
+// centers that is 200 MB a pass. Here each row is read from memory once and worked on
+// while it sits in the core's cache. Built and loaded by kernels/__init__.py through
+// MXNet's library API (mx.library.load): the operators run on MXNet's engine, in order
+// with the rest of the step, like any other.
+//
+// float32 only. Every operator takes the attribute `threads` (OpenMP threads, the count
+// MXNet's own operators use in this process) and is called with its first output being
+// its first input (in place) or a buffer of the Python side.
+
+#include <omp.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "mxnet/lib_api.h"
+
+using namespace mxnet::ext;
+
+using Attributes = std::unordered_map<std::string, std::string>;
+using Shapes = std::vector<std::vector<unsigned int>>;
+
+namespace {
+
+// Vectorized code for the CPU it runs on, chosen when the library loads: the library
+// is built once per machine type but may sit on a home folder that several hosts share.
+#define PFC_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+
+// exp(x) for x <= 0 to within 2 ulp, in a form the compiler vectorizes (the C library's
+// expf is a call per element): x = k ln2 + r with |r| <= ln2 / 2, exp(r) by its Taylor
+// series to r^7 (the remainder is below 6e-9 of the value), times 2^k. A NaN stays NaN.
+inline float exp_nonpositive(float x) {
+  const float k = std::rint(x * 1.44269504088896341f);
+  const float r = std::fma(k, -1.42860682030941723e-6f, std::fma(k, -0.693145751953125f, x));
+  float p = 1.0f / 5040;
+  p = std::fma(p, r, 1.0f / 720);
+  p = std::fma(p, r, 1.0f / 120);
+  p = std::fma(p, r, 1.0f / 24);
+  p = std::fma(p, r, 1.0f / 6);
+  p = std::fma(p, r, 0.5f);
+  p = std::fma(p, r, 1.0f);
+  p = std::fma(p, r, 1.0f);
+  // 2^k from its exponent bits; below -126 the result is 0 (exp(-87.3) is float's least
+  // normal number, and a softmax entry that small is 0 to float32 anyway)
+  // (comparisons rather than fmin/fmax, which the compiler leaves as calls; a NaN k
+  // becomes -127 here, and the NaN stays in p)
+  float bounded = k > -127.0f ? k : -127.0f;
+  bounded = bounded < 128.0f ? bounded : 128.0f;
+  const int32_t e = static_cast<int32_t>(bounded) + 127;
+  const int32_t bits = e << 23;
+  float two_k;
+  std::memcpy(&two_k, &bits, sizeof two_k);
+  return x < -87.0f ? 0.0f : p * two_k;
+}
+
+// The row's max over all but its last entry (NaN skipped, as MXNet's CPU max pooling
+// does), then the softmax of the whole row with the last entry set to that max: the
+// spare center's column, whose probability is then 1 / (1 + this rank's exp-sum).
+PFC_CLONES void softmax_with_spare_row(const float* in, float* out, int64_t width,
+                                       float* row_max) {
+  float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+  for (int64_t j = 0; j < width - 1; ++j) m = in[j] > m ? in[j] : m;
+  float sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < width - 1; ++j) {
+    out[j] = exp_nonpositive(in[j] - m);
+    sum += out[j];
+  }
+  out[width - 1] = 1.0f;
+  const float inverse = 1.0f / (sum + 1.0f);
+#pragma omp simd
+  for (int64_t j = 0; j < width; ++j) out[j] *= inverse;
+  *row_max = m;
+}
+
+// grad = scale * (grad - (grad . w) / |w|^2 * w) for one row: its part along w removed.
+PFC_CLONES void project_row(const float* grad, const float* w, float inverse_square_norm,
+                            float scale, float* out, int64_t width) {
+  double dot = 0;  // in double, as the norms: one row's sums cost little, and the
+#pragma omp simd reduction(+ : dot)  // tests' ill-conditioned steps need the digits
+  for (int64_t j = 0; j < width; ++j) dot += double(grad[j]) * w[j];
+  const float along = float(dot * inverse_square_norm);
+#pragma omp simd
+  for (int64_t j = 0; j < width; ++j) out[j] = scale * (grad[j] - along * w[j]);
+}
+
+// v = w * s / |w| for one row, and s / |w|. The sum of squares in double: the steps
+// whose softmax is near 1 at the target (p - 1 cancels) amplify every rounding here.
+PFC_CLONES void scale_row(const float* w, float s, float* v, float* row_scale, int64_t width) {
+  double square_norm = 0;
+#pragma omp simd reduction(+ : square_norm)
+  for (int64_t j = 0; j < width; ++j) square_norm += double(w[j]) * w[j];
+  const float scale = float(s / std::sqrt(square_norm));
+#pragma omp simd
+  for (int64_t j = 0; j < width; ++j) v[j] = w[j] * scale;
+  *row_scale = scale;
+}
+
+int threads_of(const Attributes& attributes) {
+  auto found = attributes.find("threads");
+  return found == attributes.end() ? 1 : std::max(1, std::stoi(found->second));
+}
+
+// ---- what MXNet asks of every operator: inputs, outputs, their types and shapes ----
+
+MXReturnValue all_float32(const Attributes&, std::vector<int>* in_types,
+                          std::vector<int>* out_types) {
+  for (int type : *in_types) {
+    if (type != kFloat32) {
+      MX_ERROR_MSG << "partial_fc_mx kernels take float32 arrays only";
+      return MX_FAIL;
+    }
+  }
+  for (int& type : *out_types) type = kFloat32;
+  return MX_SUCCESS;
+}
+
+bool is_matrix(const std::vector<unsigned int>& shape) { return shape.size() == 2; }
+
+// softmax_with_spare(logits) -> (probabilities, row maxima)
+MXReturnValue softmax_arity(const Attributes&, int* inputs, int* outputs) {
+  *inputs = 1;
+  *outputs = 2;
+  return MX_SUCCESS;
+}
+
+MXReturnValue softmax_shapes(const Attributes&, Shapes* in, Shapes* out) {
+  if (!is_matrix((*in)[0]) || (*in)[0][1] < 2) {
+    MX_ERROR_MSG << "softmax_with_spare needs an N x (n + 1) matrix";
+    return MX_FAIL;
+  }
+  (*out)[0] = (*in)[0];
+  (*out)[1] = {(*in)[0][0]};
+  return MX_SUCCESS;
+}
+
+MXReturnValue softmax_forward(const Attributes& attributes, std::vector<MXTensor>* in,
+                              std::vector<MXTensor>* out, const OpResource&) {
+  const float* logits = (*in)[0].data<float>();
+  float* prob = (*out)[0].data<float>();
+  float* row_max = (*out)[1].data<float>();
+  const int64_t rows = (*in)[0].shape[0], width = (*in)[0].shape[1];
+#pragma omp parallel for num_threads(threads_of(attributes)) schedule(static)
+  for (int64_t i = 0; i < rows; ++i)
+    softmax_with_spare_row(logits + i * width, prob + i * width, width, row_max + i);
+  return MX_SUCCESS;
+}
+
+// project_rows(grad, w, inverse_square_norms, row_scale) -> grad projected
+MXReturnValue project_arity(const Attributes&, int* inputs, int* outputs) {
+  *inputs = 4;
+  *outputs = 1;
+  return MX_SUCCESS;
+}
+
+MXReturnValue project_shapes(const Attributes&, Shapes* in, Shapes* out) {
+  const auto& grad = (*in)[0];
+  if (!is_matrix(grad) || (*in)[1] != grad || (*in)[2] != std::vector<unsigned int>{grad[0]} ||
+      (*in)[3] != std::vector<unsigned int>{grad[0]}) {
+    MX_ERROR_MSG << "project_rows needs two n x D matrices and two n-vectors";
+    return MX_FAIL;
+  }
+  (*out)[0] = grad;
+  return MX_SUCCESS;
+}
+
+MXReturnValue project_forward(const Attributes& attributes, std::vector<MXTensor>* in,
+                              std::vector<MXTensor>* out, const OpResource&) {
+  const float* grad = (*in)[0].data<float>();
+  const float* w = (*in)[1].data<float>();
+  const float* inverse_square_norms = (*in)[2].data<float>();
+  const float* row_scale = (*in)[3].data<float>();
+  float* result = (*out)[0].data<float>();
+  const int64_t rows = (*in)[0].shape[0], width = (*in)[0].shape[1];
+#pragma omp parallel for num_threads(threads_of(attributes)) schedule(static)
+  for (int64_t i = 0; i < rows; ++i)
+    project_row(grad + i * width, w + i * width, inverse_square_norms[i], row_scale[i],
+                result + i * width, width);
+  return MX_SUCCESS;
+}
+
+// scale_rows(w, scale=s) -> (w * s / |w|, s / |w|)
+MXReturnValue scale_arity(const Attributes& attributes, int* inputs, int* outputs) {
+  if (attributes.find("scale") == attributes.end()) {
+    MX_ERROR_MSG << "scale_rows needs the attribute scale";
+    return MX_FAIL;
+  }
+  *inputs = 1;
+  *outputs = 2;
+  return MX_SUCCESS;
+}
+
+MXReturnValue scale_shapes(const Attributes&, Shapes* in, Shapes* out) {
+  if (!is_matrix((*in)[0])) {
+    MX_ERROR_MSG << "scale_rows needs an n x D matrix";
+    return MX_FAIL;
+  }
+  (*out)[0] = (*in)[0];
+  (*out)[1] = {(*in)[0][0]};
+  return MX_SUCCESS;
+}
+
+MXReturnValue scale_forward(const Attributes& attributes, std::vector<MXTensor>* in,
+                            std::vector<MXTensor>* out, const OpResource&) {
+  const float* w = (*in)[0].data<float>();
+  float* v = (*out)[0].data<float>();
+  float* row_scale = (*out)[1].data<float>();
+  const float s = std::stof(attributes.at("scale"));
+  const int64_t rows = (*in)[0].shape[0], width = (*in)[0].shape[1];
+#pragma omp parallel for num_threads(threads_of(attributes)) schedule(static)
+  for (int64_t i = 0; i < rows; ++i) scale_row(w + i * width, s, v + i * width, row_scale + i, width);
+  return MX_SUCCESS;
+}
+
+}  // namespace
+
+REGISTER_OP(pfc_softmax_with_spare)
+    .setParseAttrs(softmax_arity)
+    .setInferType(all_float32)
+    .setInferShape(softmax_shapes)
+    .setForward(softmax_forward, "cpu");
+
+REGISTER_OP(pfc_project_rows)
+    .setParseAttrs(project_arity)
+    .setInferType(all_float32)
+    .setInferShape(project_shapes)
+    .setForward(project_forward, "cpu");
+
+REGISTER_OP(pfc_scale_rows)
+    .setParseAttrs(scale_arity)
+    .setInferType(all_float32)
+    .setInferShape(scale_shapes)
+    .setForward(scale_forward, "cpu");
+
+MXReturnValue initialize(int version) {
+  // the library API of MXNet 1.9 (MX_LIBRARY_VERSION 11 in the header built against)
+  return version >= 10900 ? MX_SUCCESS : MX_FAIL;
+}
