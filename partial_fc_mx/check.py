@@ -20,7 +20,7 @@ import horovod.mxnet as hvd
 import mxnet as mx
 import psutil
 
-from . import dist, gpu_support, workdir
+from . import dist, gpu_support, kernels, workdir
 from .checkpoint import CheckpointError, find_resumable
 from .config import Config
 from .data import DataError
@@ -58,6 +58,11 @@ def run_check(config: Config | None, checkpoint: str | None = None) -> int:
         ctx, gpu = dist.own_device(world.local_rank)
     except (dist.DeviceError, gpu_support.GpuQueryError) as error:
         ctx, gpu, mine = None, None, [str(error)]
+    if ctx is not None and ctx.device_type == "cpu":
+        try:  # Partial FC's row passes on the CPU, built on first use
+            kernels.load()
+        except (kernels.KernelBuildError, mx.base.MXNetError) as error:
+            mine.append(str(error))
     need = None
     if config is not None:
         try:  # what training refuses at start on this many processes

@@ -80,7 +80,7 @@ def center_optimizer(case: str):
                     "var": 1e-4 * rng.random(shape), "steps": rng.integers(0, 4, (shape[0], 1))}
 
         return optimizer, LR_ADAMW, reference, start
-    optimizer = SGD(momentum=MU, weight_decay=WD)
+    optimizer = SGD(momentum=MU, weight_decay=WD, fused="composed" not in case)
     return (optimizer, LR, lambda w, states, g, rows: sgd_momentum(w, states, g, rows, LR, MU, WD),
             lambda rng, shape: {"mom": 0.01 * rng.normal(size=shape)})
 

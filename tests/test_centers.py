@@ -52,11 +52,12 @@ def test_a_state_left_out_starts_at_zero_and_bad_states_are_refused():
         target.load_state_dict({"weight": np.ones((50, 8)), "mom": np.ones((49, 8))})
 
 
-@pytest.mark.parametrize("lazy", [True, False])
-def test_sgd_is_mxnets_row_sparse_update_bit_for_bit(lazy):
-    """The float32 path is exactly MXNet's sgd_mom_update (lazy or not), as before the
+@pytest.mark.parametrize("lazy, fused", [(True, True), (True, False), (False, True)])
+def test_sgd_is_mxnets_row_sparse_update_bit_for_bit(lazy, fused):
+    """The float32 path is exactly MXNet's sgd_mom_update (lazy or not; fused: the C++
+    kernel of the CPU, else MXNet's gather-update-scatter, a GPU's path), as before the
     centers became pluggable; the float64 tests only bound it to 1e-5."""
-    subject = centers(SGD(momentum=0.9, weight_decay=5e-4), lazy=lazy)
+    subject = centers(SGD(momentum=0.9, weight_decay=5e-4, fused=fused), lazy=lazy)
     rng = np.random.default_rng(1)
     subject.load_state_dict({"weight": rng.normal(size=(50, 8)), "mom": rng.normal(size=(50, 8))})
     weight, momentum = subject.weight.copy(), subject.states["mom"].copy()
@@ -69,6 +70,20 @@ def test_sgd_is_mxnets_row_sparse_update_bit_for_bit(lazy):
                          lazy_update=lazy, out=weight)
     assert subject.weight.asnumpy().tobytes() == weight.asnumpy().tobytes()
     assert subject.states["mom"].asnumpy().tobytes() == momentum.asnumpy().tobytes()
+
+
+def test_the_fused_sgd_kernel_takes_float32_cpu_rows_and_refuses_a_bad_index():
+    from partial_fc_mx import kernels
+    from partial_fc_mx.center_optimizers.sgd import fused_kernel_applies
+
+    kernels.load()
+    assert fused_kernel_applies(centers(SGD()).blocks[0])
+    assert not fused_kernel_applies(centers(SGD(), dtype="float16").blocks[0])
+    weight, mom = mx.nd.ones((4, 3)), mx.nd.zeros((4, 3))
+    with pytest.raises(mx.base.MXNetError, match="index 4 is outside the 4 rows"):
+        mx.nd.pfc_sgd_momentum_rows(weight, mom, mx.nd.array([1, 4], dtype="int64"),
+                                    mx.nd.ones((2, 3)), lr=0.1, momentum=0.9, wd=0.0,
+                                    out=weight).wait_to_read()
 
 
 def test_float16_centers_keep_float32_adamw_moments():

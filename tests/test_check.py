@@ -176,3 +176,13 @@ def test_slurm_script_finds_the_repository_when_submitted_from_elsewhere(tmp_pat
     assert calls == [f"srun --mpi=pmix bash {repo}/config.sh lr=0.2 CONFIG=mine.py "
                      "PFC_COMMAND=check",
                      f"srun --mpi=pmix bash {repo}/config.sh lr=0.2 CONFIG=mine.py PFC_COMMAND="]
+
+
+def test_kernels_that_cannot_be_built_are_a_problem_of_the_preflight(tmp_path):
+    """Partial FC's CPU kernels are built on first use: a host without a compiler
+    hears it from the preflight, not from its first training step."""
+    env = {"CXX": str(tmp_path / "no-compiler"), "PARTIAL_FC_MX_KERNELS": str(tmp_path / "k")}
+    result = run(python_module("check"), env=env)
+    assert result.returncode == 1, result.stdout
+    problems = [line for line in result.stdout.splitlines() if line.startswith("PROBLEM")]
+    assert len(problems) == 1 and "need a C++ compiler: install g++" in problems[0], problems

@@ -16,6 +16,7 @@ import fcntl
 import functools
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -25,9 +26,11 @@ from ..errors import UserError
 
 SOURCE = Path(__file__).with_name("rows.cc")
 FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno",
-         "-Wl,-Bsymbolic"]
+         "-ffp-contract=off", "-Wl,-Bsymbolic"]
 """No -ffast-math: a NaN must stay a NaN (the step's check for non-finite losses); no
 -march=native: target_clones in rows.cc picks the vector width when it loads.
+-ffp-contract=off: the arithmetic is what the source writes (fused multiply-adds only
+where it calls std::fma), so the SGD update gives MXNet's bits.
 -Bsymbolic: the library API's classes bind to this library's own copy; libmxnet.so
 exports a copy built with another C++ ABI, which Horovod's import makes global (the
 library then crashed as it loaded)."""
@@ -70,8 +73,13 @@ def build(mxnet: Path) -> Path:
     library = folder / f"rows-{fingerprint(command, [*sources, header])}.so"
     if library.is_file():
         return library
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / f"{library.name}.lock", "w") as lock:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        lock = open(folder / f"{library.name}.lock", "w")  # noqa: SIM115 (held below)
+    except OSError as error:
+        raise KernelBuildError(f"cannot build partial_fc_mx's CPU kernels in {folder}: {error}; "
+                               "set PARTIAL_FC_MX_KERNELS to a writable folder") from error
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another rank may be building it
         if not library.is_file():
             compile_to(command, library)
@@ -86,9 +94,10 @@ def kernel_folder() -> Path:
 
 
 def fingerprint(command: list[str], inputs: list[Path]) -> str:
-    """A name for the build: it changes with the sources, the header, the command and
-    the compiler's version, so that no stale library is ever loaded."""
-    digest = hashlib.sha256("\0".join(command).encode())
+    """A name for the build: it changes with the sources, the header, the command, the
+    compiler's version and the machine's architecture (a home folder may be shared by
+    hosts of several), so that no stale or foreign library is ever loaded."""
+    digest = hashlib.sha256("\0".join([platform.machine(), *command]).encode())
     version = subprocess.run([command[0], "--version"], capture_output=True, text=True)
     digest.update(version.stdout.encode())
     for path in inputs:

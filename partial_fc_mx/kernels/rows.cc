@@ -1,4 +1,5 @@
-// The row-wise passes of one Partial FC step, fused for the CPU (partial_fc_mx/rows.py).
+// The row-wise passes of one Partial FC step, fused for the CPU (partial_fc_mx/rows.py),
+// and the SGD update of its sampled centers (center_optimizers/sgd.py).
 //
 // Composed of MXNet operators, each of these passes is 2-5 operators, and each operator
 // is a pass of its own over an N x n or n x D matrix: at N = 1024 and 50,000 sampled
@@ -100,6 +101,19 @@ PFC_CLONES void scale_row(const float* w, float s, float* v, float* row_scale, i
 #pragma omp simd
   for (int64_t j = 0; j < width; ++j) v[j] = w[j] * scale;
   *row_scale = scale;
+}
+
+// SGD with momentum and weight decay on one sampled row of the centers, in place in
+// the shard: m = momentum m - lr (g + wd w); w += m, in the order of MXNet's own
+// sgd_mom_update, so that the result is its bits (the build contracts no a * b + c).
+PFC_CLONES void sgd_momentum_row(float* w, float* m, const float* g, float lr, float momentum,
+                                 float wd, int64_t width) {
+  const float rate = lr * wd;
+#pragma omp simd
+  for (int64_t j = 0; j < width; ++j) {
+    m[j] = momentum * m[j] - rate * w[j] - lr * g[j];
+    w[j] += m[j];
+  }
 }
 
 int threads_of(const Attributes& attributes) {
@@ -218,7 +232,84 @@ MXReturnValue scale_forward(const Attributes& attributes, std::vector<MXTensor>*
   return MX_SUCCESS;
 }
 
+// sgd_momentum_rows(weight, mom, index, grad, lr=, momentum=, wd=) -> weight, and mom
+// (mutated): rows `index` of the weight and its momentum updated in place, with the
+// gradient's rows in the index's order. The rows must be distinct (a step's sample is).
+MXReturnValue sgd_arity(const Attributes& attributes, int* inputs, int* outputs) {
+  for (const char* name : {"lr", "momentum", "wd"}) {
+    if (attributes.find(name) == attributes.end()) {
+      MX_ERROR_MSG << "sgd_momentum_rows needs the attribute " << name;
+      return MX_FAIL;
+    }
+  }
+  *inputs = 4;
+  *outputs = 1;
+  return MX_SUCCESS;
+}
+
+MXReturnValue sgd_types(const Attributes&, std::vector<int>* in_types,
+                        std::vector<int>* out_types) {
+  const auto& t = *in_types;
+  if (t[0] != kFloat32 || t[1] != kFloat32 || t[2] != kInt64 || t[3] != kFloat32) {
+    MX_ERROR_MSG << "sgd_momentum_rows takes float32 weight, momentum and gradient, and an "
+                    "int64 index";
+    return MX_FAIL;
+  }
+  (*out_types)[0] = kFloat32;
+  return MX_SUCCESS;
+}
+
+MXReturnValue sgd_shapes(const Attributes&, Shapes* in, Shapes* out) {
+  const auto &weight = (*in)[0], &grad = (*in)[3];
+  if (!is_matrix(weight) || (*in)[1] != weight || !is_matrix(grad) || grad[1] != weight[1] ||
+      (*in)[2] != std::vector<unsigned int>{grad[0]}) {
+    MX_ERROR_MSG << "sgd_momentum_rows needs an R x D weight and momentum, n indices and "
+                    "an n x D gradient";
+    return MX_FAIL;
+  }
+  (*out)[0] = weight;
+  return MX_SUCCESS;
+}
+
+MXReturnValue sgd_mutates(const Attributes&, std::vector<int>* input_indices) {
+  input_indices->push_back(1);  // the momentum
+  return MX_SUCCESS;
+}
+
+MXReturnValue sgd_forward(const Attributes& attributes, std::vector<MXTensor>* in,
+                          std::vector<MXTensor>* out, const OpResource&) {
+  float* weight = (*out)[0].data<float>();
+  const float* weight_in = (*in)[0].data<float>();
+  float* mom = (*in)[1].data<float>();
+  const int64_t* index = (*in)[2].data<int64_t>();
+  const float* grad = (*in)[3].data<float>();
+  const int64_t rows = (*in)[0].shape[0], width = (*in)[0].shape[1];
+  const int64_t sampled = (*in)[3].shape[0];
+  for (int64_t k = 0; k < sampled; ++k) {
+    if (index[k] < 0 || index[k] >= rows) {
+      MX_ERROR_MSG << "sgd_momentum_rows: index " << index[k] << " is outside the " << rows
+                   << " rows";
+      return MX_FAIL;
+    }
+  }
+  if (weight != weight_in) std::memcpy(weight, weight_in, sizeof(float) * rows * width);
+  const float lr = std::stof(attributes.at("lr")), momentum = std::stof(attributes.at("momentum"));
+  const float wd = std::stof(attributes.at("wd"));
+#pragma omp parallel for num_threads(threads_of(attributes)) schedule(static)
+  for (int64_t k = 0; k < sampled; ++k)
+    sgd_momentum_row(weight + index[k] * width, mom + index[k] * width, grad + k * width, lr,
+                     momentum, wd, width);
+  return MX_SUCCESS;
+}
+
 }  // namespace
+
+REGISTER_OP(pfc_sgd_momentum_rows)
+    .setParseAttrs(sgd_arity)
+    .setInferType(sgd_types)
+    .setInferShape(sgd_shapes)
+    .setMutateInputs(sgd_mutates)
+    .setForward(sgd_forward, "cpu");
 
 REGISTER_OP(pfc_softmax_with_spare)
     .setParseAttrs(softmax_arity)

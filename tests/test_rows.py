@@ -1,0 +1,173 @@
+"""The step's row passes (rows.py): the fused C++ kernels of the CPU and the MXNet
+operators a GPU runs, each against float64; and how the kernels are built (kernels/):
+loud when they cannot be, once when ranks start together, never half-written."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mxnet as mx
+import numpy as np
+import pytest
+
+from partial_fc_mx import kernels
+from partial_fc_mx.rows import ComposedRows, FusedRows
+from partial_fc_mx.workspace import Workspace
+
+IMPLEMENTATIONS = {
+    "fused": lambda: FusedRows(threads=1),
+    "composed": lambda: ComposedRows(Workspace(mx.cpu())),
+}
+
+
+def softmax_with_spare_reference(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    x = logits.astype(np.float64)
+    row_max = np.nanmax(x[:, :-1], axis=1)
+    x[:, -1] = row_max
+    e = np.exp(x - row_max[:, None])
+    return e / e.sum(axis=1, keepdims=True), row_max
+
+
+@pytest.mark.parametrize("name", IMPLEMENTATIONS)
+@pytest.mark.parametrize("rows, width, spread", [(3, 2, 1.0), (7, 33, 30.0), (64, 1001, 10.0),
+                                                 (5, 4099, 64.0)])
+def test_softmax_with_spare_matches_float64(name, rows, width, spread):
+    """Each row's softmax with its last entry set to the max of the others (the spare
+    center's column), in place; widths that are not a multiple of any vector width."""
+    logits = (np.random.default_rng(width).standard_normal((rows, width)) * spread)
+    logits = logits.astype(np.float32)
+    array = mx.nd.array(logits)
+    row_max = IMPLEMENTATIONS[name]().softmax_with_spare(array)
+    expected, expected_max = softmax_with_spare_reference(logits)
+    assert np.array_equal(row_max.asnumpy(), expected_max.astype(np.float32))
+    assert np.allclose(array.asnumpy(), expected, rtol=1e-6, atol=1e-12)
+
+
+def test_the_fused_exp_is_within_a_few_ulp_down_to_float32s_least_normal_number():
+    """The kernel's own exp (a polynomial the compiler vectorizes) over [-87, 0]: each
+    probability within 4 ulp where it is a normal float32, and 0 (not NaN) below."""
+    x = np.linspace(-87, 0, 300_001).astype(np.float32)
+    logits = np.concatenate([x, [-95.0, -300.0, 0.0]]).astype(np.float32)[None]
+    array = mx.nd.array(logits)
+    FusedRows(threads=1).softmax_with_spare(array)
+    got = array.asnumpy()[0].astype(np.float64)
+    expected, _ = softmax_with_spare_reference(logits)
+    normal = expected[0] > np.finfo(np.float32).tiny
+    error = np.abs(got - expected[0])[normal] / expected[0][normal]
+    assert error.max() < 4 * 2.0**-23, error.max()
+    assert got[-3] == 0 and got[-2] == 0  # exp(-95), exp(-300): 0 to float32
+
+
+@pytest.mark.parametrize("name", IMPLEMENTATIONS)
+def test_a_nan_logit_is_skipped_by_the_max_and_makes_the_exp_sum_non_finite(name):
+    """What the step's NaN check relies on: the spare column's probability,
+    1 / (1 + exp-sum), turns non-finite (so does the loss), while the row's max is the
+    max of its numbers."""
+    logits = np.array([[np.nan, 1, 2, 0], [1, 2, 3, 0]], np.float32)
+    array = mx.nd.array(logits)
+    row_max = IMPLEMENTATIONS[name]().softmax_with_spare(array)
+    assert row_max.asnumpy().tolist() == [2.0, 3.0]
+    prob = array.asnumpy()
+    with np.errstate(divide="ignore", invalid="ignore"):  # MXNet's is 0, the kernel's NaN
+        assert not np.isfinite(1 / prob[0, -1])
+    assert np.allclose(prob[1], softmax_with_spare_reference(logits[1:])[0][0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", IMPLEMENTATIONS)
+@pytest.mark.parametrize("rows, width", [(1, 1), (40, 24), (300, 512)])
+def test_centers_scale_and_projection_match_float64(name, rows, width):
+    rng = np.random.default_rng(rows)
+    w = (rng.standard_normal((rows, width)) * rng.uniform(0.01, 100, (rows, 1))).astype(np.float32)
+    grad = rng.standard_normal((rows, width)).astype(np.float32)
+    implementation = IMPLEMENTATIONS[name]()
+    v = mx.nd.zeros((rows, width))
+    row_scale = implementation.scale(mx.nd.array(w), 64.0, out=v)
+    norms = np.linalg.norm(w.astype(np.float64), axis=1)
+    assert np.allclose(row_scale.asnumpy(), 64 / norms, rtol=2e-7)
+    assert np.allclose(v.asnumpy(), w * (64 / norms)[:, None], rtol=2e-7, atol=1e-6)
+    inverse, scale = 1 / norms**2, rng.uniform(0.5, 2, rows)
+    projected = mx.nd.array(grad)
+    implementation.project(projected, mx.nd.array(w), mx.nd.array(inverse), mx.nd.array(scale))
+    g = grad.astype(np.float64)
+    expected = scale[:, None] * (g - ((g * w).sum(axis=1) * inverse)[:, None] * w)
+    assert np.allclose(projected.asnumpy(), expected, rtol=1e-5, atol=1e-6)
+    if width > 1:  # what is left is orthogonal to its center
+        assert np.abs((projected.asnumpy() * w).sum(axis=1) / norms).max() < 1e-4
+
+
+def test_more_threads_give_the_same_bits():
+    """Rows are independent: the kernels' OpenMP threads split rows, never a row."""
+    logits = np.random.default_rng(0).standard_normal((37, 3001)).astype(np.float32) * 20
+    results = []
+    for threads in (1, 2, 3):
+        array = mx.nd.array(logits)
+        row_max = FusedRows(threads).softmax_with_spare(array)
+        results.append((array.asnumpy().tobytes(), row_max.asnumpy().tobytes()))
+    assert results[0] == results[1] == results[2]
+
+
+def test_the_kernels_take_float32_and_say_so():
+    with pytest.raises(mx.base.MXNetError, match="float32"):
+        FusedRows(1).softmax_with_spare(mx.nd.ones((2, 3), dtype="float64"))
+
+
+def test_without_a_compiler_the_build_says_what_to_install(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("PARTIAL_FC_MX_KERNELS", str(tmp_path / "kernels"))
+    with pytest.raises(kernels.KernelBuildError, match="apt-get install g\\+\\+"):
+        kernels.build(kernels.mxnet_folder())
+
+
+def test_a_failed_compile_shows_the_compilers_error_and_leaves_no_library(monkeypatch, tmp_path):
+    broken = tmp_path / "rows.cc"
+    broken.write_text(kernels.SOURCE.read_text() + "\nthis is not C++;\n")
+    monkeypatch.setattr(kernels, "SOURCE", broken)
+    monkeypatch.setenv("PARTIAL_FC_MX_KERNELS", str(tmp_path / "kernels"))
+    with pytest.raises(kernels.KernelBuildError, match="this is not C"):
+        kernels.build(kernels.mxnet_folder())
+    built = tmp_path / "kernels"
+    assert not list(built.glob("*.so")) and not list(built.glob("*.partial")), list(built.iterdir())
+
+
+def test_ranks_that_start_together_build_once_and_a_new_source_builds_anew(tmp_path):
+    """Three processes ask for the library in an empty folder at once: the compiler runs
+    once (a wrapper counts it), all three get the same complete library. Then a changed
+    source gets its own library beside the old one."""
+    calls = tmp_path / "calls"
+    wrapper = tmp_path / "cxx"
+    wrapper.write_text(f"#!/bin/sh\ncase \"$*\" in *--version*) ;; *) echo x >> {calls};; esac\n"
+                       "exec g++ \"$@\"\n")
+    wrapper.chmod(0o755)
+    env = {**os.environ, "CXX": str(wrapper), "PARTIAL_FC_MX_KERNELS": str(tmp_path / "kernels")}
+    code = ("from partial_fc_mx import kernels; "
+            "print(kernels.build(kernels.mxnet_folder()))")
+    ranks = [subprocess.Popen([sys.executable, "-c", code], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(3)]
+    outputs = [rank.communicate(timeout=300) for rank in ranks]
+    assert all(rank.returncode == 0 for rank in ranks), outputs
+    paths = {out.strip() for out, _ in outputs}
+    assert len(paths) == 1 and calls.read_text().count("x") == 1, (paths, calls.read_text())
+    library = Path(paths.pop())
+    assert library.stat().st_size > 0 and not list(library.parent.glob("*.partial"))
+
+    changed = tmp_path / "rows.cc"
+    changed.write_text(kernels.SOURCE.read_text() + "\n// a change\n")
+    code = ("from pathlib import Path; from partial_fc_mx import kernels; "
+            f"kernels.SOURCE = Path({str(changed)!r}); "
+            "print(kernels.build(kernels.mxnet_folder()))")
+    done = subprocess.run([sys.executable, "-c", code], env=env, text=True, capture_output=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert Path(done.stdout.strip()) != library and library.is_file()
+    assert calls.read_text().count("x") == 2
+
+
+def test_an_unwritable_kernel_folder_is_named(monkeypatch, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("PARTIAL_FC_MX_KERNELS", str(blocker / "kernels"))
+    with pytest.raises(kernels.KernelBuildError, match="PARTIAL_FC_MX_KERNELS"):
+        kernels.build(kernels.mxnet_folder())
