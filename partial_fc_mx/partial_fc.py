@@ -15,7 +15,9 @@ n x D rows: the centers are normalized as rows (v), and each row's share of the
 global softmax enters the backward GEMMs through their N x D input and output, so
 the N x n matrix is written by the GEMM, maxed, softmaxed and read by the GEMMs, no
 more. The three GEMMs are explicit (no autograd): FullyConnected's forward and its
-backward operator, oneDNN's inner product on the CPU. The N x n and n x D matrices
+backward operator, oneDNN's inner product on the CPU. What runs row by row besides
+(the scaling to v, the softmax, the gradient's projection) is rows.py's: C++ kernels
+of one pass per row on the CPU, MXNet operators elsewhere. The N x n and n x D matrices
 live in buffers kept across steps (workspace.py): a fresh array per step costs its
 page faults every step.
 """

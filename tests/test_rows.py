@@ -109,6 +109,26 @@ def test_more_threads_give_the_same_bits():
     assert results[0] == results[1] == results[2]
 
 
+@pytest.mark.parametrize("environment, cores, expected", [
+    ({"MXNET_OMP_MAX_THREADS": "3", "OMP_NUM_THREADS": "5"}, 16, 3),
+    ({"OMP_NUM_THREADS": "5,2"}, 16, 5),
+    ({}, 16, 8),  # MXNet halves the cores on x86 (hyper-threads)
+    ({}, 1, 1),   # a rank mpirun bound to one core
+])
+def test_a_ranks_threads_are_mxnets_choice(monkeypatch, environment, cores, expected):
+    """The kernels' OpenMP threads (and the benchmarks') are the count MXNet's own
+    operators use in the process."""
+    from partial_fc_mx import threads
+
+    for name in ("MXNET_OMP_MAX_THREADS", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setattr(threads.platform, "machine", lambda: "x86_64")
+    assert threads.rank_threads() == expected
+
+
 def test_the_kernels_take_float32_and_say_so():
     with pytest.raises(mx.base.MXNetError, match="float32"):
         FusedRows(1).softmax_with_spare(mx.nd.ones((2, 3), dtype="float64"))

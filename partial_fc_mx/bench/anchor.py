@@ -58,6 +58,7 @@ def run(args: argparse.Namespace) -> None:
     distributed.all_gather_object(everyone, mine)
     if distributed.get_rank() == 0:
         print_report(torch, args, everyone)
+    distributed.barrier()  # torch 2.14's gloo aborted rank 1 torn down before rank 0 printed
     distributed.destroy_process_group()
 
 

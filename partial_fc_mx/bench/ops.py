@@ -7,7 +7,12 @@ import argparse
 import mxnet as mx
 import numpy as np
 
+from ..center_optimizers.sgd import SGD
+from ..centers import SPARE_CENTERS, CenterBlock, Shard
 from ..partial_fc import fully_connected_backward
+from ..rows import ComposedRows, FusedRows
+from ..threads import rank_threads
+from ..workspace import Workspace
 from .timing import median_ms
 
 
@@ -34,12 +39,12 @@ def run(args: argparse.Namespace) -> None:
     print_gemm_rates(x, w, g, grad_x, grad_w)
     choices = {
         "row sums of an n x D product (the centers' gradient projection)": {
-            "FullyConnected(m, ones) (used)": (
+            "FullyConnected(m, ones) (used by ComposedRows, a GPU's)": (
                 lambda: mx.nd.FullyConnected(w, ones_depth, num_hidden=1, no_bias=True), 0),
             "sum(axis=1)": (lambda: w.sum(axis=1), 0),
         },
         "norms of the n x D sampled centers": {
-            "sqrt(FullyConnected(square(w), ones)) (used)": (
+            "sqrt(FullyConnected(square(w), ones)) (used by ComposedRows)": (
                 lambda: mx.nd.sqrt(mx.nd.FullyConnected(
                     mx.nd.square(w), ones_depth, num_hidden=1, no_bias=True)), 0),
             "norm(axis=1)": (lambda: mx.nd.norm(w, axis=1), 0),
@@ -51,6 +56,36 @@ def run(args: argparse.Namespace) -> None:
             ms = median_ms(run)
             rate = f"  {flop / ms / 1e6:6.1f} GFLOP/s" if flop else ""
             print(f"  {ms:8.1f} ms{rate}  {name}")
+    print_row_passes(rng, n_rows, n_cols, depth)
+
+
+def print_row_passes(rng, n_rows: int, n_cols: int, depth: int) -> None:
+    """The step's passes outside the GEMMs (rows.py, and SGD on the sampled rows): the
+    CPU's fused kernels beside the MXNet operators a GPU runs, on the same arrays."""
+    logits = mx.nd.array(rng.standard_normal((n_rows, n_cols + SPARE_CENTERS)) * 3)
+    w = mx.nd.array(rng.standard_normal((n_cols, depth)))
+    grad, v = mx.nd.array(rng.standard_normal((n_cols, depth))), mx.nd.zeros((n_cols, depth))
+    norms = mx.nd.array(rng.uniform(0.5, 2, n_cols))
+    shard = 10 * n_cols  # sampled at 0.1
+    block = CenterBlock(Shard(0, shard), depth, SGD(), ctx=mx.cpu(), dtype="float32", lazy=True)
+    index = mx.nd.array(np.sort(rng.choice(shard, n_cols, replace=False)), dtype="int64")
+    print(f"the row passes: {n_rows} x {n_cols + SPARE_CENTERS} logits, {n_cols} x {depth} "
+          f"centers of a {shard:,}-row shard")
+    for name, rows, sgd in (
+            ("fused C++ kernels (CPU; used)", FusedRows(rank_threads()), SGD()),
+            ("MXNet operators (a GPU's path)", ComposedRows(Workspace(mx.cpu())),
+             SGD(fused=False))):
+        times = {
+            "v = w s / |w|": median_ms(lambda rows=rows: rows.scale(w, 64.0, out=v)),
+            "softmax with the spare column": median_ms(
+                lambda rows=rows: rows.softmax_with_spare(logits)),
+            "gradient projection": median_ms(
+                lambda rows=rows: rows.project(grad, w, norms, norms)),
+            "SGD on the sampled rows": median_ms(lambda sgd=sgd: sgd.update(
+                block, index, block.sampled_weights(index), grad, 1e-9)),
+        }
+        print(f"  {sum(times.values()):8.1f} ms  {name}: " +
+              ", ".join(f"{task} {ms:.1f}" for task, ms in times.items()))
 
 
 def print_gemm_rates(x, w, g, grad_x, grad_w) -> None:

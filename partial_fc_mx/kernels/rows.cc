@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 
 #include "mxnet/lib_api.h"
@@ -121,6 +122,28 @@ int threads_of(const Attributes& attributes) {
   return found == attributes.end() ? 1 : std::max(1, std::stoi(found->second));
 }
 
+// row(i) for i in [0, rows), the rows split over the operator's threads.
+template <typename Row>
+void for_each_row(const Attributes& attributes, int64_t rows, Row row) {
+#pragma omp parallel for num_threads(threads_of(attributes)) schedule(static)
+  for (int64_t i = 0; i < rows; ++i) row(i);
+}
+
+// An operator's counts of inputs and outputs, once the attributes it needs are there.
+MXReturnValue arity(const Attributes& attributes, const char* op,
+                    std::initializer_list<const char*> needed, int inputs, int outputs,
+                    int* num_inputs, int* num_outputs) {
+  for (const char* name : needed) {
+    if (attributes.find(name) == attributes.end()) {
+      MX_ERROR_MSG << op << " needs the attribute " << name;
+      return MX_FAIL;
+    }
+  }
+  *num_inputs = inputs;
+  *num_outputs = outputs;
+  return MX_SUCCESS;
+}
+
 // ---- what MXNet asks of every operator: inputs, outputs, their types and shapes ----
 
 MXReturnValue all_float32(const Attributes&, std::vector<int>* in_types,
@@ -138,20 +161,24 @@ MXReturnValue all_float32(const Attributes&, std::vector<int>* in_types,
 bool is_matrix(const std::vector<unsigned int>& shape) { return shape.size() == 2; }
 
 // softmax_with_spare(logits) -> (probabilities, row maxima)
-MXReturnValue softmax_arity(const Attributes&, int* inputs, int* outputs) {
-  *inputs = 1;
-  *outputs = 2;
+MXReturnValue softmax_arity(const Attributes& attributes, int* inputs, int* outputs) {
+  return arity(attributes, "softmax_with_spare", {}, 1, 2, inputs, outputs);
+}
+
+// The shapes of an operator that takes a matrix and gives one like it and a value per row.
+MXReturnValue matrix_and_one_per_row(const Shapes& in, Shapes* out, unsigned int least_width,
+                                     const char* what_is_needed) {
+  if (!is_matrix(in[0]) || in[0][1] < least_width) {
+    MX_ERROR_MSG << what_is_needed;
+    return MX_FAIL;
+  }
+  (*out)[0] = in[0];
+  (*out)[1] = {in[0][0]};
   return MX_SUCCESS;
 }
 
 MXReturnValue softmax_shapes(const Attributes&, Shapes* in, Shapes* out) {
-  if (!is_matrix((*in)[0]) || (*in)[0][1] < 2) {
-    MX_ERROR_MSG << "softmax_with_spare needs an N x (n + 1) matrix";
-    return MX_FAIL;
-  }
-  (*out)[0] = (*in)[0];
-  (*out)[1] = {(*in)[0][0]};
-  return MX_SUCCESS;
+  return matrix_and_one_per_row(*in, out, 2, "softmax_with_spare needs an N x (n + 1) matrix");
 }
 
 MXReturnValue softmax_forward(const Attributes& attributes, std::vector<MXTensor>* in,
@@ -159,18 +186,16 @@ MXReturnValue softmax_forward(const Attributes& attributes, std::vector<MXTensor
   const float* logits = (*in)[0].data<float>();
   float* prob = (*out)[0].data<float>();
   float* row_max = (*out)[1].data<float>();
-  const int64_t rows = (*in)[0].shape[0], width = (*in)[0].shape[1];
-#pragma omp parallel for num_threads(threads_of(attributes)) schedule(static)
-  for (int64_t i = 0; i < rows; ++i)
+  const int64_t width = (*in)[0].shape[1];
+  for_each_row(attributes, (*in)[0].shape[0], [&](int64_t i) {
     softmax_with_spare_row(logits + i * width, prob + i * width, width, row_max + i);
+  });
   return MX_SUCCESS;
 }
 
 // project_rows(grad, w, inverse_square_norms, row_scale) -> grad projected
-MXReturnValue project_arity(const Attributes&, int* inputs, int* outputs) {
-  *inputs = 4;
-  *outputs = 1;
-  return MX_SUCCESS;
+MXReturnValue project_arity(const Attributes& attributes, int* inputs, int* outputs) {
+  return arity(attributes, "project_rows", {}, 4, 1, inputs, outputs);
 }
 
 MXReturnValue project_shapes(const Attributes&, Shapes* in, Shapes* out) {
@@ -191,33 +216,21 @@ MXReturnValue project_forward(const Attributes& attributes, std::vector<MXTensor
   const float* inverse_square_norms = (*in)[2].data<float>();
   const float* row_scale = (*in)[3].data<float>();
   float* result = (*out)[0].data<float>();
-  const int64_t rows = (*in)[0].shape[0], width = (*in)[0].shape[1];
-#pragma omp parallel for num_threads(threads_of(attributes)) schedule(static)
-  for (int64_t i = 0; i < rows; ++i)
+  const int64_t width = (*in)[0].shape[1];
+  for_each_row(attributes, (*in)[0].shape[0], [&](int64_t i) {
     project_row(grad + i * width, w + i * width, inverse_square_norms[i], row_scale[i],
                 result + i * width, width);
+  });
   return MX_SUCCESS;
 }
 
 // scale_rows(w, scale=s) -> (w * s / |w|, s / |w|)
 MXReturnValue scale_arity(const Attributes& attributes, int* inputs, int* outputs) {
-  if (attributes.find("scale") == attributes.end()) {
-    MX_ERROR_MSG << "scale_rows needs the attribute scale";
-    return MX_FAIL;
-  }
-  *inputs = 1;
-  *outputs = 2;
-  return MX_SUCCESS;
+  return arity(attributes, "scale_rows", {"scale"}, 1, 2, inputs, outputs);
 }
 
 MXReturnValue scale_shapes(const Attributes&, Shapes* in, Shapes* out) {
-  if (!is_matrix((*in)[0])) {
-    MX_ERROR_MSG << "scale_rows needs an n x D matrix";
-    return MX_FAIL;
-  }
-  (*out)[0] = (*in)[0];
-  (*out)[1] = {(*in)[0][0]};
-  return MX_SUCCESS;
+  return matrix_and_one_per_row(*in, out, 1, "scale_rows needs an n x D matrix");
 }
 
 MXReturnValue scale_forward(const Attributes& attributes, std::vector<MXTensor>* in,
@@ -226,9 +239,10 @@ MXReturnValue scale_forward(const Attributes& attributes, std::vector<MXTensor>*
   float* v = (*out)[0].data<float>();
   float* row_scale = (*out)[1].data<float>();
   const float s = std::stof(attributes.at("scale"));
-  const int64_t rows = (*in)[0].shape[0], width = (*in)[0].shape[1];
-#pragma omp parallel for num_threads(threads_of(attributes)) schedule(static)
-  for (int64_t i = 0; i < rows; ++i) scale_row(w + i * width, s, v + i * width, row_scale + i, width);
+  const int64_t width = (*in)[0].shape[1];
+  for_each_row(attributes, (*in)[0].shape[0], [&](int64_t i) {
+    scale_row(w + i * width, s, v + i * width, row_scale + i, width);
+  });
   return MX_SUCCESS;
 }
 
@@ -236,15 +250,7 @@ MXReturnValue scale_forward(const Attributes& attributes, std::vector<MXTensor>*
 // (mutated): rows `index` of the weight and its momentum updated in place, with the
 // gradient's rows in the index's order. The rows must be distinct (a step's sample is).
 MXReturnValue sgd_arity(const Attributes& attributes, int* inputs, int* outputs) {
-  for (const char* name : {"lr", "momentum", "wd"}) {
-    if (attributes.find(name) == attributes.end()) {
-      MX_ERROR_MSG << "sgd_momentum_rows needs the attribute " << name;
-      return MX_FAIL;
-    }
-  }
-  *inputs = 4;
-  *outputs = 1;
-  return MX_SUCCESS;
+  return arity(attributes, "sgd_momentum_rows", {"lr", "momentum", "wd"}, 4, 1, inputs, outputs);
 }
 
 MXReturnValue sgd_types(const Attributes&, std::vector<int>* in_types,
@@ -295,10 +301,10 @@ MXReturnValue sgd_forward(const Attributes& attributes, std::vector<MXTensor>* i
   if (weight != weight_in) std::memcpy(weight, weight_in, sizeof(float) * rows * width);
   const float lr = std::stof(attributes.at("lr")), momentum = std::stof(attributes.at("momentum"));
   const float wd = std::stof(attributes.at("wd"));
-#pragma omp parallel for num_threads(threads_of(attributes)) schedule(static)
-  for (int64_t k = 0; k < sampled; ++k)
+  for_each_row(attributes, sampled, [&](int64_t k) {
     sgd_momentum_row(weight + index[k] * width, mom + index[k] * width, grad + k * width, lr,
                      momentum, wd, width);
+  });
   return MX_SUCCESS;
 }
 
