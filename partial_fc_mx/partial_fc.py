@@ -68,6 +68,11 @@ class PartialFC:
         loss, grad = pfc.forward_backward(embeddings, labels)
         embeddings.backward(grad)            # then the backbone's optimizer step
         pfc.step(lr)                         # the optimizer on the sampled centers
+
+    On the CPU the constructor builds (on first use) and loads the C++ kernels
+    (kernels/), which can fail on one host and not another (no compiler there): build
+    it where every rank hears of a failure on any (dist.run_agreed, as train.start
+    does), or no rank is left waiting in the first collective.
     """
 
     def __init__(
@@ -289,7 +294,7 @@ class PartialFC:
         shape = rows.shape if cols is None else (rows.shape[0], cols.shape[0])
         return self.buffers.get(name, shape)
 
-    def _scaled_centers(self, w: mx.nd.NDArray) -> tuple:
+    def _scaled_centers(self, w: mx.nd.NDArray) -> tuple[mx.nd.NDArray, mx.nd.NDArray]:
         """v = w s / |w| (x_hat @ v^T is then the logits) with the spare zero row after
         them, whose logits' column carries each row's max through the softmax; and s / |w|."""
         v = self.buffers.get("v", (len(w) + SPARE_CENTERS, w.shape[1]))

@@ -19,12 +19,15 @@ from .threads import rank_threads
 from .workspace import Workspace
 
 
-def row_passes(ctx: mx.Context, buffers: Workspace):
+def row_passes(ctx: mx.Context, buffers: Workspace) -> FusedRows | ComposedRows:
     """The fused kernels on the CPU, MXNet's operators elsewhere."""
     return FusedRows(rank_threads()) if ctx.device_type == "cpu" else ComposedRows(buffers)
 
 
 class FusedRows:
+    """The CPU's: each pass one C++ operator (kernels/rows.cc) on `threads` OpenMP
+    threads, the count MXNet's own operators use in this process."""
+
     def __init__(self, threads: int) -> None:
         kernels.load()
         self.threads = threads
@@ -42,8 +45,8 @@ class FusedRows:
         mx.nd.pfc_softmax_with_spare(logits, threads=self.threads, out=[logits, row_max])
         return row_max
 
-    def project(self, grad: mx.nd.NDArray, rows: mx.nd.NDArray, inverse_square_norms,
-                row_scale) -> None:
+    def project(self, grad: mx.nd.NDArray, rows: mx.nd.NDArray,
+                inverse_square_norms: mx.nd.NDArray, row_scale: mx.nd.NDArray) -> None:
         """In place: grad_j = row_scale_j (grad_j - (grad_j . rows_j) inverse_square_norms_j
         rows_j), each row's part along rows_j removed."""
         mx.nd.pfc_project_rows(grad, rows, inverse_square_norms, row_scale,
@@ -69,8 +72,8 @@ class ComposedRows:
         mx.nd.softmax(logits, axis=1, out=logits)
         return row_max
 
-    def project(self, grad: mx.nd.NDArray, rows: mx.nd.NDArray, inverse_square_norms,
-                row_scale) -> None:
+    def project(self, grad: mx.nd.NDArray, rows: mx.nd.NDArray,
+                inverse_square_norms: mx.nd.NDArray, row_scale: mx.nd.NDArray) -> None:
         scratch = self.buffers.get("row_chunk", (min(len(grad), chunk_rows(grad)), grad.shape[1]))
         project_out_rows(grad, rows, inverse_square_norms, row_scale, scratch)
 
@@ -109,8 +112,9 @@ def chunk_rows(matrix: mx.nd.NDArray) -> int:
     return max(1, 2**20 // matrix.shape[1], -(-matrix.shape[0] // MAX_CHUNKS))
 
 
-def project_out_rows(grad: mx.nd.NDArray, rows: mx.nd.NDArray, inverse_square_norms,
-                     row_scale, scratch: mx.nd.NDArray) -> None:
+def project_out_rows(grad: mx.nd.NDArray, rows: mx.nd.NDArray,
+                     inverse_square_norms: mx.nd.NDArray, row_scale: mx.nd.NDArray,
+                     scratch: mx.nd.NDArray) -> None:
     """ComposedRows.project a chunk of rows at a time through `scratch` (no n x D
     temporary)."""
     step = max(1, scratch.shape[0])

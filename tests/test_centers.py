@@ -84,6 +84,14 @@ def test_the_fused_sgd_kernel_takes_float32_cpu_rows_and_refuses_a_bad_index():
         mx.nd.pfc_sgd_momentum_rows(weight, mom, mx.nd.array([1, 4], dtype="int64"),
                                     mx.nd.ones((2, 3)), lr=0.1, momentum=0.9, wd=0.0,
                                     out=weight).wait_to_read()
+    with pytest.raises(mx.base.MXNetError, match="in place: call it with out=weight"):
+        mx.nd.pfc_sgd_momentum_rows(weight, mom, mx.nd.array([1], dtype="int64"),
+                                    mx.nd.ones((1, 3)), lr=0.1, momentum=0.9, wd=0.0,
+                                    out=mx.nd.zeros((4, 3))).wait_to_read()
+    with pytest.raises(mx.base.MXNetError, match="cannot read the number lr"):
+        mx.nd.pfc_sgd_momentum_rows(weight, mom, mx.nd.array([1], dtype="int64"),
+                                    mx.nd.ones((1, 3)), lr="0,1", momentum=0.9, wd=0.0,
+                                    out=weight).wait_to_read()
 
 
 def test_float16_centers_keep_float32_adamw_moments():

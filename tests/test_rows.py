@@ -77,6 +77,25 @@ def test_a_nan_logit_is_skipped_by_the_max_and_makes_the_exp_sum_non_finite(name
 
 
 @pytest.mark.parametrize("name", IMPLEMENTATIONS)
+def test_nan_and_infinity_anywhere_in_a_wide_row(name):
+    """The vector loops, not only their scalar tails, meet the NaN (positions at the
+    start, inside and at the end of a row of 1001 plus the spare) and +Inf: the spare
+    column's probability is non-finite in those rows, and only in those."""
+    rng = np.random.default_rng(5)
+    logits = rng.standard_normal((6, 1002)).astype(np.float32) * 5
+    for row, (column, value) in enumerate([(0, np.nan), (517, np.nan), (1000, np.nan),
+                                           (333, np.inf)]):
+        logits[row, column] = value
+    array = mx.nd.array(logits)
+    row_max = IMPLEMENTATIONS[name]().softmax_with_spare(array).asnumpy()
+    expected_max = [np.nanmax(np.where(np.isnan(r[:-1]), -np.inf, r[:-1])) for r in logits]
+    assert row_max.tolist() == np.float32(expected_max).tolist()
+    with np.errstate(divide="ignore", invalid="ignore"):
+        exp_sums = 1 / array.asnumpy()[:, -1]
+    assert (~np.isfinite(exp_sums)).tolist() == [True] * 4 + [False] * 2
+
+
+@pytest.mark.parametrize("name", IMPLEMENTATIONS)
 @pytest.mark.parametrize("rows, width", [(1, 1), (40, 24), (300, 512)])
 def test_centers_scale_and_projection_match_float64(name, rows, width):
     rng = np.random.default_rng(rows)
@@ -172,6 +191,7 @@ def test_ranks_that_start_together_build_once_and_a_new_source_builds_anew(tmp_p
     assert len(paths) == 1 and calls.read_text().count("x") == 1, (paths, calls.read_text())
     library = Path(paths.pop())
     assert library.stat().st_size > 0 and not list(library.parent.glob("*.partial"))
+    assert library.stat().st_mode & 0o055 == 0o055  # others may load it from a shared folder
 
     changed = tmp_path / "rows.cc"
     changed.write_text(kernels.SOURCE.read_text() + "\n// a change\n")
@@ -183,6 +203,26 @@ def test_ranks_that_start_together_build_once_and_a_new_source_builds_anew(tmp_p
     assert done.returncode == 0, done.stderr
     assert Path(done.stdout.strip()) != library and library.is_file()
     assert calls.read_text().count("x") == 2
+
+
+def test_a_lock_the_file_system_refuses_is_a_build_error(monkeypatch, tmp_path):
+    """flock on a network file system without locks: an error that says what to do, as
+    every failure of the build is (the preflight and start-up report those on every rank)."""
+    def refuse(*args):
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setenv("PARTIAL_FC_MX_KERNELS", str(tmp_path / "kernels"))
+    monkeypatch.setattr(kernels.fcntl, "flock", refuse)
+    with pytest.raises(kernels.KernelBuildError, match="No locks available.*PARTIAL_FC_MX_KERN"):
+        kernels.build(kernels.mxnet_folder())
+
+
+def test_a_damaged_library_is_named_with_what_to_do(monkeypatch, tmp_path):
+    damaged = tmp_path / "rows-0123456789abcdef.so"
+    damaged.write_bytes(b"")
+    monkeypatch.setattr(kernels, "build", lambda mxnet: damaged)
+    with pytest.raises(kernels.KernelBuildError, match=f"{damaged}.*delete that file"):
+        kernels.load.__wrapped__()  # not the process's cached load
 
 
 def test_an_unwritable_kernel_folder_is_named(monkeypatch, tmp_path):

@@ -69,6 +69,7 @@ def print_row_passes(rng, n_rows: int, n_cols: int, depth: int) -> None:
     shard = 10 * n_cols  # sampled at 0.1
     block = CenterBlock(Shard(0, shard), depth, SGD(), ctx=mx.cpu(), dtype="float32", lazy=True)
     index = mx.nd.array(np.sort(rng.choice(shard, n_cols, replace=False)), dtype="int64")
+    sampled = block.sampled_weights(index)  # gathered in the step's forward, for the GEMMs
     print(f"the row passes: {n_rows} x {n_cols + SPARE_CENTERS} logits, {n_cols} x {depth} "
           f"centers of a {shard:,}-row shard")
     for name, rows, sgd in (
@@ -81,8 +82,8 @@ def print_row_passes(rng, n_rows: int, n_cols: int, depth: int) -> None:
                 lambda rows=rows: rows.softmax_with_spare(logits)),
             "gradient projection": median_ms(
                 lambda rows=rows: rows.project(grad, w, norms, norms)),
-            "SGD on the sampled rows": median_ms(lambda sgd=sgd: sgd.update(
-                block, index, block.sampled_weights(index), grad, 1e-9)),
+            "SGD on the sampled rows": median_ms(
+                lambda sgd=sgd: sgd.update(block, index, sampled, grad, 1e-9)),
         }
         print(f"  {sum(times.values()):8.1f} ms  {name}: " +
               ", ".join(f"{task} {ms:.1f}" for task, ms in times.items()))

@@ -24,8 +24,9 @@ import mxnet as mx
 import numpy as np
 import psutil
 
-from .. import dist
+from .. import dist, kernels
 from ..centers import estimate_memory, shard_of
+from ..errors import UserError
 from ..partial_fc import PartialFC
 from ..threads import rank_threads
 from . import shapes
@@ -41,6 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     world = dist.init()
     ctx = dist.training_device(world)
+    if ctx.device_type == "cpu":  # built here, not in the start-up timed below, and a
+        # failure on one host stops every rank instead of leaving them in a collective
+        dist.run_agreed(kernels.load, "bench.kernels", (UserError,), UserError,
+                        "partial_fc_mx's CPU kernels")
     results = []
     for num_classes in sorted(args.classes):
         results.append(bench_config(world, ctx, num_classes, args))

@@ -6,12 +6,14 @@ header and MXNet, into PARTIAL_FC_MX_KERNELS (default: ~/.cache/partial_fc_mx, o
 under XDG_CACHE_HOME): g++ is all they need, and setup-utils/install.sh installs it for
 Horovod's build anyway. Ranks that start together build once: one builds under a file
 lock while the others wait for it, and the library appears under its final name only
-when complete, so a rank never loads a half-written file, even on a folder that
-several hosts share.
+when complete and on disk, so a rank never loads a half-written file, even on a folder
+that several hosts share. Every failure is a KernelBuildError that says what to do;
+training's start-up raises it on every rank together (train.start).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import hashlib
@@ -26,11 +28,11 @@ from ..errors import UserError
 
 SOURCE = Path(__file__).with_name("rows.cc")
 FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno",
-         "-ffp-contract=off", "-Wl,-Bsymbolic"]
+         "-fno-trapping-math", "-Wl,-Bsymbolic"]
 """No -ffast-math: a NaN must stay a NaN (the step's check for non-finite losses); no
 -march=native: target_clones in rows.cc picks the vector width when it loads.
--ffp-contract=off: the arithmetic is what the source writes (fused multiply-adds only
-where it calls std::fma), so the SGD update gives MXNet's bits.
+-fno-trapping-math: no code here reads floating-point exception flags, and without it
+the compiler does not vectorize the exp's selects on CPUs without AVX-512.
 -Bsymbolic: the library API's classes bind to this library's own copy; libmxnet.so
 exports a copy built with another C++ ABI, which Horovod's import makes global (the
 library then crashed as it loaded)."""
@@ -45,7 +47,13 @@ def load() -> None:
     """Build (where not yet built) and load the kernels into this process, once."""
     import mxnet as mx
 
-    mx.library.load(str(build(mxnet_folder())), verbose=False)
+    library = build(mxnet_folder())
+    try:
+        mx.library.load(str(library), verbose=False)
+    except mx.base.MXNetError as error:
+        raise KernelBuildError(f"MXNet cannot load partial_fc_mx's CPU kernels from {library} "
+                               f"({str(error).strip().splitlines()[-1]}): delete that file, "
+                               "it is built again on next use") from error
 
 
 def mxnet_folder() -> Path:
@@ -75,14 +83,13 @@ def build(mxnet: Path) -> Path:
         return library
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        lock = open(folder / f"{library.name}.lock", "w")  # noqa: SIM115 (held below)
-    except OSError as error:
+        with open(folder / f"{library.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another rank may be building it
+            if not library.is_file():
+                compile_to(command, library)
+    except OSError as error:  # raised, like every failure here, by each rank that meets it
         raise KernelBuildError(f"cannot build partial_fc_mx's CPU kernels in {folder}: {error}; "
                                "set PARTIAL_FC_MX_KERNELS to a writable folder") from error
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another rank may be building it
-        if not library.is_file():
-            compile_to(command, library)
     return library
 
 
@@ -106,8 +113,11 @@ def fingerprint(command: list[str], inputs: list[Path]) -> str:
 
 
 def compile_to(command: list[str], library: Path) -> None:
-    """Compile to a temporary name beside `library`, then rename: readers see the whole
-    file or none."""
+    """Compile to a temporary name beside `library`, flush it to disk, then publish it
+    under its name as a hard link: readers see the whole file or none, and a library
+    another host published meanwhile (where the lock does not reach across hosts) is
+    kept, not replaced under a process that has it mapped. Readable by all, as a build
+    output in a shared folder must be."""
     handle, partial = tempfile.mkstemp(dir=library.parent, suffix=".so.partial")
     os.close(handle)
     try:
@@ -115,7 +125,10 @@ def compile_to(command: list[str], library: Path) -> None:
         if done.returncode != 0:
             raise KernelBuildError(f"building partial_fc_mx's CPU kernels failed: "
                                    f"{' '.join(command)}\n{done.stderr[-3000:]}")
-        os.replace(partial, library)
+        os.chmod(partial, 0o755)
+        with open(partial, "rb") as built:
+            os.fsync(built.fileno())
+        with contextlib.suppress(FileExistsError):
+            os.link(partial, library)
     finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
+        os.unlink(partial)

@@ -14,11 +14,16 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <initializer_list>
 #include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
 
 #include "mxnet/lib_api.h"
 
@@ -31,26 +36,32 @@ namespace {
 
 // Vectorized code for the CPU it runs on, chosen when the library loads: the library
 // is built once per machine type but may sit on a home folder that several hosts share.
-#define PFC_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+// The code is plain multiplies and adds (no std::fma, no rint): every clone vectorizes
+// it, and the compiler fuses them where the clone has FMA (x86-64-v3 is AVX2 with FMA);
+// std::fma in a clone without FMA is a call per element (20x slower, found in review).
+#define PFC_CLONES __attribute__((target_clones("avx512f", "arch=x86-64-v3", "default")))
 
-// exp(x) for x <= 0 to within 2 ulp, in a form the compiler vectorizes (the C library's
-// expf is a call per element): x = k ln2 + r with |r| <= ln2 / 2, exp(r) by its Taylor
-// series to r^7 (the remainder is below 6e-9 of the value), times 2^k. A NaN stays NaN.
+// exp(x) for x <= 0 to within 2 ulp (tests/test_rows.py measures it), in a form the
+// compiler vectorizes (the C library's expf is a call per element): x = k ln2 + r with
+// |r| <= ln2 / 2 (ln2 in two parts, so that k ln2_hi is exact), exp(r) by its Taylor
+// series to r^7 (the remainder is below 6e-9 of the value), times 2^k. x below -87
+// gives 0: exp(-87) = 1.6e-38 is next to float32's least normal number, and the
+// softmax adds it to a sum of at least 1 (the row's max), where it counts for nothing.
+// A NaN stays NaN.
 inline float exp_nonpositive(float x) {
-  const float k = std::rint(x * 1.44269504088896341f);
-  const float r = std::fma(k, -1.42860682030941723e-6f, std::fma(k, -0.693145751953125f, x));
+  const float round = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const float k = (x * 1.44269504088896341f + round) - round;
+  const float r = (x - k * 0.693145751953125f) - k * 1.42860682030941723e-6f;
   float p = 1.0f / 5040;
-  p = std::fma(p, r, 1.0f / 720);
-  p = std::fma(p, r, 1.0f / 120);
-  p = std::fma(p, r, 1.0f / 24);
-  p = std::fma(p, r, 1.0f / 6);
-  p = std::fma(p, r, 0.5f);
-  p = std::fma(p, r, 1.0f);
-  p = std::fma(p, r, 1.0f);
-  // 2^k from its exponent bits; below -126 the result is 0 (exp(-87.3) is float's least
-  // normal number, and a softmax entry that small is 0 to float32 anyway)
-  // (comparisons rather than fmin/fmax, which the compiler leaves as calls; a NaN k
-  // becomes -127 here, and the NaN stays in p)
+  p = p * r + 1.0f / 720;
+  p = p * r + 1.0f / 120;
+  p = p * r + 1.0f / 24;
+  p = p * r + 1.0f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  // 2^k from its exponent bits, k bounded first by comparisons (fmin and fmax stay
+  // calls): a NaN k becomes -127 here, and the NaN stays in p
   float bounded = k > -127.0f ? k : -127.0f;
   bounded = bounded < 128.0f ? bounded : 128.0f;
   const int32_t e = static_cast<int32_t>(bounded) + 127;
@@ -106,7 +117,10 @@ PFC_CLONES void scale_row(const float* w, float s, float* v, float* row_scale, i
 
 // SGD with momentum and weight decay on one sampled row of the centers, in place in
 // the shard: m = momentum m - lr (g + wd w); w += m, in the order of MXNet's own
-// sgd_mom_update, so that the result is its bits (the build contracts no a * b + c).
+// sgd_mom_update and without fused multiply-adds: its bits, wherever MXNet's attribute
+// parser reads lr to the same float as strtof (its own parser can be 1 ulp off).
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
 PFC_CLONES void sgd_momentum_row(float* w, float* m, const float* g, float lr, float momentum,
                                  float wd, int64_t width) {
   const float rate = lr * wd;
@@ -116,10 +130,34 @@ PFC_CLONES void sgd_momentum_row(float* w, float* m, const float* g, float lr, f
     w[j] += m[j];
   }
 }
+#pragma GCC pop_options
+
+// An attribute's number as the Python side wrote it, or false. strtof rather than
+// std::stof, which throws (an exception must not cross the library's C interface); the
+// decimal point is the C locale's, where Python leaves LC_NUMERIC.
+bool read_number(const Attributes& attributes, const char* name, float* value) {
+  auto found = attributes.find(name);
+  if (found == attributes.end() || found->second.empty()) return false;
+  char* end = nullptr;
+  *value = std::strtof(found->second.c_str(), &end);
+  return *end == '\0';
+}
+
+// The numbers an operator needs, each named in the error when it cannot be read.
+MXReturnValue read_numbers(const Attributes& attributes, const char* op,
+                           std::initializer_list<std::pair<const char*, float*>> wanted) {
+  for (const auto& [name, value] : wanted) {
+    if (!read_number(attributes, name, value)) {
+      MX_ERROR_MSG << op << ": cannot read the number " << name;
+      return MX_FAIL;
+    }
+  }
+  return MX_SUCCESS;
+}
 
 int threads_of(const Attributes& attributes) {
-  auto found = attributes.find("threads");
-  return found == attributes.end() ? 1 : std::max(1, std::stoi(found->second));
+  float threads = 1;
+  return read_number(attributes, "threads", &threads) && threads >= 1 ? int(threads) : 1;
 }
 
 // row(i) for i in [0, rows), the rows split over the operator's threads.
@@ -238,7 +276,8 @@ MXReturnValue scale_forward(const Attributes& attributes, std::vector<MXTensor>*
   const float* w = (*in)[0].data<float>();
   float* v = (*out)[0].data<float>();
   float* row_scale = (*out)[1].data<float>();
-  const float s = std::stof(attributes.at("scale"));
+  float s;
+  if (read_numbers(attributes, "scale_rows", {{"scale", &s}}) != MX_SUCCESS) return MX_FAIL;
   const int64_t width = (*in)[0].shape[1];
   for_each_row(attributes, (*in)[0].shape[0], [&](int64_t i) {
     scale_row(w + i * width, s, v + i * width, row_scale + i, width);
@@ -298,9 +337,14 @@ MXReturnValue sgd_forward(const Attributes& attributes, std::vector<MXTensor>* i
       return MX_FAIL;
     }
   }
-  if (weight != weight_in) std::memcpy(weight, weight_in, sizeof(float) * rows * width);
-  const float lr = std::stof(attributes.at("lr")), momentum = std::stof(attributes.at("momentum"));
-  const float wd = std::stof(attributes.at("wd"));
+  if (weight != weight_in) {
+    MX_ERROR_MSG << "sgd_momentum_rows updates in place: call it with out=weight";
+    return MX_FAIL;
+  }
+  float lr, momentum, wd;
+  if (read_numbers(attributes, "sgd_momentum_rows",
+                   {{"lr", &lr}, {"momentum", &momentum}, {"wd", &wd}}) != MX_SUCCESS)
+    return MX_FAIL;
   for_each_row(attributes, sampled, [&](int64_t k) {
     sgd_momentum_row(weight + index[k] * width, mom + index[k] * width, grad + k * width, lr,
                      momentum, wd, width);
