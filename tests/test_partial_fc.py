@@ -134,7 +134,11 @@ def test_the_target_terms_add_their_entries_of_both_gemms():
     added there, also when several rows share a target column."""
     import mxnet as mx
 
-    from partial_fc_mx.partial_fc import Targets, add_target_terms
+    from partial_fc_mx.partial_fc import (
+        Targets,
+        add_target_terms_to_centers,
+        add_target_terms_to_embeddings,
+    )
 
     rng = np.random.default_rng(4)
     x, v = rng.standard_normal((6, 8)), rng.standard_normal((40, 8))
@@ -145,7 +149,7 @@ def test_the_target_terms_add_their_entries_of_both_gemms():
     entries[[0, 2, 3, 4], [3, 3, 39, 0]] = target_grad
     grad_x, grad_v = rng.standard_normal((6, 8)), rng.standard_normal((40, 8))
     got_x, got_v = mx.nd.array(grad_x), mx.nd.array(grad_v)
-    add_target_terms(got_x, got_v, mx.nd.array(x), mx.nd.array(v), targets,
-                     mx.nd.array(target_grad))
+    add_target_terms_to_embeddings(got_x, mx.nd.array(v), targets, mx.nd.array(target_grad))
+    add_target_terms_to_centers(got_v, mx.nd.array(x), targets, mx.nd.array(target_grad))
     assert np.allclose(got_x.asnumpy(), grad_x + entries @ v, atol=1e-5)
     assert np.allclose(got_v.asnumpy(), grad_v + entries.T @ x, atol=1e-5)
