@@ -208,10 +208,11 @@ class PartialFC:
             grad_x = grad_x * (grad_scale / x_norm)
         with self.timer.phase("communication"):
             summed = hvd.allreduce(grad_x, op=hvd.Sum, name="pfc.grad_x")
-        # the centers' side is queued once grad_x is computed, and then runs while the
-        # allreduce does: queued now, the engine runs it as soon as its inputs are ready,
-        # between the few small operators that compute grad_x (measured: the allreduce
-        # then started after the projection and the update, 46 ms later)
+        # Python waits for grad_x before it pushes the centers' side, which then runs
+        # while the allreduce does. Pushed earlier, the engine ran the projection and the
+        # update as soon as their inputs were ready, between grad_x's small operators, and
+        # the allreduce started 46 ms late (a CPU profile of two ranks). On a GPU the wait
+        # costs the launch of the next operator (not measured there).
         grad_x.wait_to_read()
         with self.timer.phase("compute"):
             if targets.rows is not None:
@@ -239,14 +240,15 @@ class PartialFC:
         labels = labels.reshape(len(labels), -1)[:, 0] if labels.ndim > 1 else labels
         rows = embeddings.shape[0]
         width = embeddings.shape[1] if embeddings.ndim == 2 else -1
+        as_float32 = embeddings.astype("float32", copy=False)
         finite = np.ones(len(labels))
-        if rows == len(labels) and width > 0:  # numpy's check: MXNet's takes 30x as long
-            finite = np.isfinite(embeddings.astype("float32", copy=False).asnumpy()).all(1)
+        if rows == len(labels) and width > 0:  # numpy's: 0.3 ms, MXNet's 8 (CPU, 1024 rows)
+            finite = np.isfinite(as_float32.asnumpy()).all(axis=1)
         meta = np.stack([labels.astype(np.float64), np.full(len(labels), self.rank),
                          np.full(len(labels), rows), np.full(len(labels), width), finite], 1)
         meta = hvd.allgather(mx.nd.array(meta, dtype="float64"), name="pfc.meta").asnumpy()
         self._validate(meta)
-        gathered = hvd.allgather(embeddings.astype("float32", copy=False), name="pfc.embeddings")
+        gathered = hvd.allgather(as_float32, name="pfc.embeddings")
         mine = np.flatnonzero(meta[:, 1] == self.rank)
         start = int(mine[0]) if len(mine) else 0
         return GatheredBatch(gathered, meta[:, 0].astype(np.int64), start, start + len(mine))
