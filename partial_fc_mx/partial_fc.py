@@ -73,7 +73,7 @@ class PartialFC:
     On the CPU the constructor builds (on first use) and loads the C++ kernels
     (kernels/), which can fail on one host and not another (no compiler there): build
     it where every rank hears of a failure on any (dist.run_agreed, as train.start
-    does), or no rank is left waiting in the first collective.
+    does), so that no rank is left waiting in the first collective.
     """
 
     def __init__(

@@ -18,8 +18,8 @@ from partial_fc_mx.centers import (
 from partial_fc_mx.partial_fc import PartialFC
 
 
-def centers(optimizer=None, dtype="float32", lazy=True, rows=50, rank=1, world=3):
-    return ClassCenters(shard_of(rows * world, rank, world), 8, optimizer or SGD(),
+def centers(optimizer=None, dtype="float32", lazy=True, rows=50, rank=1, world=3, width=8):
+    return ClassCenters(shard_of(rows * world, rank, world), width, optimizer or SGD(),
                         ctx=mx.cpu(), dtype=dtype, seed=3, rank=rank, lazy=lazy)
 
 
@@ -53,19 +53,23 @@ def test_a_state_left_out_starts_at_zero_and_bad_states_are_refused():
 
 
 @pytest.mark.parametrize("lazy, fused", [(True, True), (True, False), (False, True)])
-def test_sgd_is_mxnets_row_sparse_update_bit_for_bit(lazy, fused):
+@pytest.mark.parametrize("width", [8, 67, 512])
+def test_sgd_is_mxnets_row_sparse_update_bit_for_bit(lazy, fused, width):
     """The float32 path is exactly MXNet's sgd_mom_update (lazy or not; fused: the C++
     kernel of the CPU, else MXNet's gather-update-scatter, a GPU's path), as before the
-    centers became pluggable; the float64 tests only bound it to 1e-5."""
-    subject = centers(SGD(momentum=0.9, weight_decay=5e-4, fused=fused), lazy=lazy)
+    centers became pluggable; the float64 tests only bound it to 1e-5. Widths past one
+    vector (16 floats in AVX-512) reach the kernel's vector loop, where a fused
+    multiply-add would change the bits."""
+    subject = centers(SGD(momentum=0.9, weight_decay=5e-4, fused=fused), lazy=lazy, width=width)
     rng = np.random.default_rng(1)
-    subject.load_state_dict({"weight": rng.normal(size=(50, 8)), "mom": rng.normal(size=(50, 8))})
+    subject.load_state_dict({"weight": rng.normal(size=(50, width)),
+                             "mom": rng.normal(size=(50, width))})
     weight, momentum = subject.weight.copy(), subject.states["mom"].copy()
     index = np.array([2, 7, 30])
-    grad = mx.nd.array(rng.normal(size=(3, 8)))
+    grad = mx.nd.array(rng.normal(size=(3, width)))
     subject.update(index, subject.sampled_weights(index), grad, 0.1)
     sparse = mx.nd.sparse.row_sparse_array((grad, mx.nd.array(index, dtype="int64")),
-                                           shape=(50, 8))
+                                           shape=(50, width))
     mx.nd.sgd_mom_update(weight, sparse, momentum, lr=0.1, momentum=0.9, wd=5e-4,
                          lazy_update=lazy, out=weight)
     assert subject.weight.asnumpy().tobytes() == weight.asnumpy().tobytes()

@@ -47,8 +47,11 @@ def test_softmax_with_spare_matches_float64(name, rows, width, spread):
 
 
 def test_the_fused_exp_is_within_a_few_ulp_down_to_float32s_least_normal_number():
-    """The kernel's own exp (a polynomial the compiler vectorizes) over [-87, 0]: each
-    probability within 4 ulp where it is a normal float32, and 0 (not NaN) below."""
+    """The kernel's own exp (a polynomial the compiler vectorizes) over [-87, 0]: within
+    2 ulp (each probability over the spare column's, whose exp is 1, is the exp with one
+    more rounding), and 0 (not NaN) below. The probabilities themselves carry the row's
+    float32 sum of 300,000 entries too, whose rounding depends on the vector width
+    (measured 0.4 ulp with AVX-512, 1.3 with AVX2, 3.8 with SSE2): within 8 ulp."""
     x = np.linspace(-87, 0, 300_001).astype(np.float32)
     logits = np.concatenate([x, [-95.0, -300.0, 0.0]]).astype(np.float32)[None]
     array = mx.nd.array(logits)
@@ -56,8 +59,11 @@ def test_the_fused_exp_is_within_a_few_ulp_down_to_float32s_least_normal_number(
     got = array.asnumpy()[0].astype(np.float64)
     expected, _ = softmax_with_spare_reference(logits)
     normal = expected[0] > np.finfo(np.float32).tiny
+    exps = np.exp(logits[0].astype(np.float64))
+    exp_error = np.abs(got / got[-1] - exps)[normal] / exps[normal]
+    assert exp_error.max() < 2.5 * 2.0**-23, exp_error.max() / 2.0**-23
     error = np.abs(got - expected[0])[normal] / expected[0][normal]
-    assert error.max() < 4 * 2.0**-23, error.max()
+    assert error.max() < 8 * 2.0**-23, error.max() / 2.0**-23
     assert got[-3] == 0 and got[-2] == 0  # exp(-95), exp(-300): 0 to float32
 
 
@@ -115,6 +121,33 @@ def test_centers_scale_and_projection_match_float64(name, rows, width):
     assert np.allclose(projected.asnumpy(), expected, rtol=1e-5, atol=1e-6)
     if width > 1:  # what is left is orthogonal to its center
         assert np.abs((projected.asnumpy() * w).sum(axis=1) / norms).max() < 1e-4
+
+
+@pytest.mark.parametrize("march", ["x86-64", "x86-64-v3"])
+def test_each_vector_width_the_library_carries_passes_the_same_tests(march, tmp_path):
+    """The library picks its code by the CPU it loads on, and this machine runs only one
+    of the clones: built once per -march with no clones, the exp, softmax, projection and
+    SGD tests pass on the baseline (SSE2) and AVX2-with-FMA code too."""
+    if march == "x86-64-v3" and not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("this CPU cannot run AVX2 with FMA")
+    here = Path(__file__).parent
+    code = ("import sys, pytest; from partial_fc_mx import kernels; "
+            f"kernels.FLAGS += ['-DPFC_CLONES=', '-march={march}']; "
+            f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-k', "
+            "'exp or softmax or nan or scale_and_projection or bit_for_bit', "
+            f"{str(here / 'test_rows.py')!r}, {str(here / 'test_centers.py')!r}]))")
+    env = {**os.environ, "PARTIAL_FC_MX_KERNELS": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, text=True, capture_output=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert " passed" in done.stdout and " failed" not in done.stdout, done.stdout[-500:]
+
+
+def cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
 
 
 def test_more_threads_give_the_same_bits():
@@ -230,4 +263,29 @@ def test_an_unwritable_kernel_folder_is_named(monkeypatch, tmp_path):
     blocker.write_text("")
     monkeypatch.setenv("PARTIAL_FC_MX_KERNELS", str(blocker / "kernels"))
     with pytest.raises(kernels.KernelBuildError, match="PARTIAL_FC_MX_KERNELS"):
+        kernels.build(kernels.mxnet_folder())
+
+
+def test_a_folder_without_hard_links_still_gets_the_library(monkeypatch, tmp_path):
+    """s3fs, vfat and some CIFS mounts refuse os.link: the build is published by a rename
+    there, whole, and nothing partial is left."""
+    def refuse(*args):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setenv("PARTIAL_FC_MX_KERNELS", str(tmp_path / "kernels"))
+    monkeypatch.setattr(kernels.os, "link", refuse)
+    library = kernels.build(kernels.mxnet_folder())
+    assert library.stat().st_size > 0 and not list(library.parent.glob("*.partial"))
+
+
+def test_no_home_folder_is_a_build_error_that_names_the_setting(monkeypatch):
+    """A container's uid without a passwd entry and no HOME: Path.home() raises, and the
+    error says where to build instead (the preflight reports it on every rank)."""
+    def homeless():
+        raise RuntimeError("Could not determine home directory.")
+
+    for name in ("PARTIAL_FC_MX_KERNELS", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(kernels.Path, "home", homeless)
+    with pytest.raises(kernels.KernelBuildError, match="home directory.*PARTIAL_FC_MX_KERNELS"):
         kernels.build(kernels.mxnet_folder())

@@ -52,8 +52,16 @@ def load() -> None:
         mx.library.load(str(library), verbose=False)
     except mx.base.MXNetError as error:
         raise KernelBuildError(f"MXNet cannot load partial_fc_mx's CPU kernels from {library} "
-                               f"({str(error).strip().splitlines()[-1]}): delete that file, "
-                               "it is built again on next use") from error
+                               f"({last_line(str(error))}): delete that file, it is built "
+                               "again on next use (if MXNet refuses the new one too, this "
+                               "MXNet cannot load it: reinstall with setup-utils/install.sh)"
+                               ) from error
+
+
+def last_line(message: str) -> str:
+    """MXNet's error without its stack trace: the last line, where it says why."""
+    lines = message.strip().splitlines()
+    return lines[-1] if lines else "no reason given"
 
 
 def mxnet_folder() -> Path:
@@ -77,11 +85,15 @@ def build(mxnet: Path) -> Path:
             raise KernelBuildError(f"{needed} is missing: the MXNet package at {mxnet} lacks "
                                    "its library API; reinstall it (setup-utils/install.sh)")
     command = [compiler, *FLAGS, f"-I{mxnet / 'include'}", *map(str, sources)]
-    folder = kernel_folder()
-    library = folder / f"rows-{fingerprint(command, [*sources, header])}.so"
-    if library.is_file():
-        return library
     try:
+        folder = kernel_folder()
+    except RuntimeError as error:  # no HOME, and a uid without a passwd entry
+        raise KernelBuildError(f"no folder to build partial_fc_mx's CPU kernels in ({error}): "
+                               "set PARTIAL_FC_MX_KERNELS to a writable folder") from error
+    try:
+        library = folder / f"rows-{fingerprint(command, [*sources, header])}.so"
+        if library.is_file():
+            return library
         folder.mkdir(parents=True, exist_ok=True)
         with open(folder / f"{library.name}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # another rank may be building it
@@ -128,7 +140,12 @@ def compile_to(command: list[str], library: Path) -> None:
         os.chmod(partial, 0o755)
         with open(partial, "rb") as built:
             os.fsync(built.fileno())
-        with contextlib.suppress(FileExistsError):
+        try:
             os.link(partial, library)
+        except FileExistsError:  # another host's build, already published: keep it
+            pass
+        except OSError:  # a file system without hard links (s3fs, vfat, some CIFS)
+            os.replace(partial, library)
     finally:
-        os.unlink(partial)
+        with contextlib.suppress(FileNotFoundError):  # replaced: nothing left
+            os.unlink(partial)

@@ -38,7 +38,14 @@ namespace {
 // The code is plain multiplies and adds (no std::fma, no rint): every clone vectorizes
 // it, and the compiler fuses them where the clone has FMA (x86-64-v3 is AVX2 with FMA);
 // std::fma in a clone without FMA is a call per element (20x slower, found in review).
+// Defined empty with one -march, a build has that code alone (how the tests run each).
+#ifndef PFC_CLONES
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
 #define PFC_CLONES __attribute__((target_clones("avx512f", "arch=x86-64-v3", "default")))
+#else  // "arch=" clones came with GCC 12 (Ubuntu 22.04 has 11): AVX2 without FMA before
+#define PFC_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+#endif
 
 // exp(x) for x <= 0 to within 2 ulp (tests/test_rows.py measures it), in a form the
 // compiler vectorizes (the C library's expf is a call per element): x = k ln2 + r with
@@ -156,7 +163,8 @@ MXReturnValue read_numbers(const Attributes& attributes, const char* op,
 
 int threads_of(const Attributes& attributes) {
   float threads = 1;
-  return read_number(attributes, "threads", &threads) && threads >= 1 ? int(threads) : 1;
+  if (!read_number(attributes, "threads", &threads) || !(threads >= 1)) return 1;
+  return threads < 4096 ? int(threads) : 4096;  // a float past INT_MAX has no int
 }
 
 // row(i) for i in [0, rows), the rows split over the operator's threads.
@@ -286,7 +294,8 @@ MXReturnValue scale_forward(const Attributes& attributes, std::vector<MXTensor>*
 
 // sgd_momentum_rows(weight, mom, index, grad, lr=, momentum=, wd=) -> weight, and mom
 // (mutated): rows `index` of the weight and its momentum updated in place, with the
-// gradient's rows in the index's order. The rows must be distinct (a step's sample is).
+// gradient's rows in the index's order. The rows must be distinct (a step's sample is),
+// and `out` must be the weight itself.
 MXReturnValue sgd_arity(const Attributes& attributes, int* inputs, int* outputs) {
   return arity(attributes, "sgd_momentum_rows", {"lr", "momentum", "wd"}, 4, 1, inputs, outputs);
 }
