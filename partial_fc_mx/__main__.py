@@ -10,18 +10,25 @@ import time
 import zipfile
 from pathlib import Path
 
-from .config import ConfigError, load_config
+from .config import ConfigError, find_config, load_config
 from .data import DataError
 from .errors import UserError
 
+PEER_REPORT_SECONDS = 3.0
+RANK_0_REPORT_SECONDS = 1.0
+
 
 def report(error: Exception) -> None:
-    """One write per message: under mpirun the ranks' lines then never interleave."""
+    """One write per message: under mpirun the ranks' lines then never interleave. An
+    error every rank raised together (dist.agreed) is printed by rank 0; the others
+    give it a moment before they exit, which ends the job under a launcher."""
+    if getattr(error, "printed_by_rank_0", False):
+        time.sleep(RANK_0_REPORT_SECONDS)
+        return
     sys.stderr.write(f"error: {error}\n")
     sys.stderr.flush()
 
 
-PEER_REPORT_SECONDS = 3.0
 LAUNCHER_WORLD_SIZE = ("OMPI_COMM_WORLD_SIZE", "HOROVOD_SIZE", "PMI_SIZE")
 
 
@@ -34,9 +41,10 @@ def launched() -> bool:
 
 
 def let_peers_report() -> None:
-    """A bad config fails every rank alike, before any collective; but a launcher ends
-    the job at the first exit, and a rank still importing MXNet would be killed
-    before it said why. Under a launcher of several processes, wait a moment first."""
+    """A config error found before Horovod starts (the command line's own) fails
+    every rank alike, before any collective; but a launcher ends the job at the first
+    exit, and a rank still importing MXNet would be killed before it said why. Under
+    a launcher of several processes, wait a moment first."""
     if any(int(os.environ.get(name, "1")) > 1 for name in LAUNCHER_WORLD_SIZE):
         time.sleep(PEER_REPORT_SECONDS)
 
@@ -241,7 +249,10 @@ def fraction(text: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    # this package's own INFO lines; MXNet's (its ONNX exporter says three per export)
+    # and other libraries' only from WARNING up
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    logging.getLogger(__package__).setLevel(logging.INFO)
     parser = build_parser()
     # key=value overrides may also come after options (config.sh passes "$@" last)
     args, extra = parser.parse_known_args(argv)
@@ -254,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except ConfigError as error:
         report(error)
-        let_peers_report()
+        if not hasattr(error, "printed_by_rank_0"):  # not agreed: peers may still say why
+            let_peers_report()
         return 2
     except UserError as error:
         report(error)
@@ -273,7 +285,7 @@ def check_command(args: argparse.Namespace) -> int:
     if override_alone or (args.config is None and (args.overrides or args.work_dir)):
         raise ConfigError("key=value overrides and --work-dir need a config file: "
                           "check CONFIG key=value ...")
-    config = config_of(args) if args.config else None
+    config = agreed_config(args) if args.config else None
     return run_check(config, args.resume_from or args.load_from)
 
 
@@ -283,7 +295,7 @@ def train_command(args: argparse.Namespace) -> int:
         return 1
     from .train import train
 
-    config = config_of(args)
+    config = agreed_config(args)
     if not launched():
         sys.stderr.write("training in this one process: no launcher started it (for several, "
                          "`horovodrun -np N -H localhost:N bash config.sh` or `bash run.sh`)\n")
@@ -300,6 +312,20 @@ def config_of(args: argparse.Namespace):
     if args.work_dir:
         overrides.append(f"output={args.work_dir}")
     return load_config(args.config, overrides)
+
+
+def agreed_config(args: argparse.Namespace):
+    """config_of on every rank once Horovod has started: a bad config, on every rank or
+    on one host only (a file missing there), stops every rank with one message."""
+    from . import dist
+
+    world = dist.init()
+    config = dist.run_agreed(lambda: config_of(args), "config", (UserError,), ConfigError,
+                             "cannot read the config")
+    found = find_config(args.config, Path.cwd(), "")
+    if world.is_main and found != Path.cwd() / args.config:
+        print(f"config {args.config} is not in {Path.cwd()}: using the repository's {found}")
+    return config
 
 
 def mxnet_load_problem() -> str | None:

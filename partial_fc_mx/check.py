@@ -20,7 +20,7 @@ import horovod.mxnet as hvd
 import mxnet as mx
 import psutil
 
-from . import dist, gpu_support, kernels, workdir
+from . import cpu_precision, dist, gpu_support, kernels, workdir
 from .checkpoint import CheckpointError, find_resumable
 from .config import Config
 from .data import DataError
@@ -63,14 +63,16 @@ def run_check(config: Config | None, checkpoint: str | None = None) -> int:
             kernels.load()
         except kernels.KernelBuildError as error:  # load() wraps MXNet's own refusal too
             mine.append(str(error))
-    need = None
+    need = precision = None
     if config is not None:
         try:  # what training refuses at start on this many processes
             config.check_world_size(world.size)
         except UserError as error:
             mine.append(str(error))
+        precision = agreed_precision(config, ctx, mine)
         try:
-            need = estimate_run_memory(config, world.size, world.rank, ctx or mx.cpu())
+            need = estimate_run_memory(config, world.size, world.rank,
+                                       precision.dtype if precision else "float32")
         except (UserError, mx.base.MXNetError) as error:
             mine.append(f"cannot estimate the memory of this run: {error}")
     free, memory_problems = free_memory(ctx, world.local_size)
@@ -104,13 +106,30 @@ def run_check(config: Config | None, checkpoint: str | None = None) -> int:
         except CheckpointError as error:
             problems.append(str(error))
     if world.is_main:
-        print_report(config, everyone)
+        print_report(config, everyone, precision)
         if resumable:
             print("\n".join([*notes, f"checkpoint: {resumable} verifies"]))
         for line in problems:
             print(f"PROBLEM: {line}")
         print(f"{len(problems)} problem(s) found" if problems else "OK: no problems found")
     return 1 if problems else 0
+
+
+def agreed_precision(config: Config, ctx: mx.Context | None,
+                     problems: list[str]) -> cpu_precision.Choice | None:
+    """What the backbone will compute in, as training decides it (every rank takes
+    part); a host that cannot run a forced bfloat16 adds its problem to `problems`."""
+    mine = None
+    if ctx is not None:
+        network = (config.network, config.embedding_size, config.dropout)
+        try:
+            mine = cpu_precision.host_choice(config.cpu_precision, config.fp16,
+                                             ctx.device_type == "gpu", network)
+        except UserError as error:
+            problems.append(str(error))
+    everyone = dist.allgather_object((socket.gethostname(), mine), name="preflight.precision")
+    known = [(host, choice) for host, choice in everyone if choice is not None]
+    return cpu_precision.agree(known) if len(known) == len(everyone) else None
 
 
 def deduplicate_across_ranks(lines: list[str]) -> list[str]:
@@ -205,7 +224,7 @@ def describe_room(free: int | None, need: RunMemory | None) -> str:
         return "unknown"
     text = f"{free / GiB:.1f} GiB"
     if need is not None:
-        text += f", the run needs about {need.total / GiB:.1f}"
+        text += f", the run needs about {need.total / GiB:.1f} GiB"
         if CLOSE * free < need.total <= free:
             text += (" (close: the estimate can be tens of percent short for some "
                      "networks; docs/benchmarks.md)")
@@ -222,7 +241,8 @@ def describe_memory(need: RunMemory) -> str:
             f"{pfc.centers / GiB:.2f} GiB, per step {pfc.working / GiB:.2f} GiB")
 
 
-def print_report(config: Config | None, ranks: list[RankInfo]) -> None:
+def print_report(config: Config | None, ranks: list[RankInfo],
+                 precision: cpu_precision.Choice | None) -> None:
     features = mx.runtime.Features()
     flag = {True: "yes", False: "no"}
     print(f"MXNet {mx.__version__}: CUDA {flag[features.is_enabled('CUDA')]}, "
@@ -247,6 +267,8 @@ def print_report(config: Config | None, ranks: list[RankInfo]) -> None:
     print(f"data: {config.rec or '(not set)'}, {config.num_classes} classes, "
           f"val_targets {[str(p) for p in config.val_paths()]}")
     print(f"work_dir: {config.output} (must be one directory shared by every host)")
+    if precision is not None:
+        print(f"backbone in {precision.dtype}: {precision.reason}")
     need = ranks[0].memory_need
     if need is not None:
         print(f"memory of rank 0 at batch {config.batch_size}: about {need.total / GiB:.2f} "

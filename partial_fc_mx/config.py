@@ -33,6 +33,8 @@ class ConfigError(UserError, ValueError):
 
 
 FLOAT32_MAX = 3.4028234663852886e38
+CPU_PRECISIONS = ("auto", "bfloat16", "float32")
+"""cpu_precision's settings (cpu_precision.py)."""
 
 
 @dataclass
@@ -70,9 +72,13 @@ class Config:
     dropout: float = 0.0
     """Dropout before the embedding layer, in [0, 1)."""
     fp16: bool = False
-    """The backbone computes in 16 bits, with dynamic loss scaling: float16 on a GPU,
-    bfloat16 on a CPU host (MXNet has no float16 convolutions there); its parameters
-    and checkpoints stay float32 (precision.py)."""
+    """The backbone computes in 16 bits, with dynamic loss scaling: float16 on a GPU;
+    on a CPU host what cpu_precision says (MXNet has no float16 convolutions there);
+    its parameters and checkpoints stay float32 (precision.py)."""
+    cpu_precision: str = "auto"
+    """What fp16=True means on a CPU host: "auto", bfloat16 where the CPU computes it
+    natively (AVX512_BF16 or AMX) and oneDNN runs the network in it, float32 elsewhere;
+    "bfloat16" or "float32" forces either (cpu_precision.py; docs/training.md)."""
 
     # --- Partial FC ---
     sample_rate: float = 1.0
@@ -184,6 +190,12 @@ class Config:
         if not self.center_lazy_update and self.fp16_centers:
             problems.append("center_lazy_update=False needs float32 centers "
                             "(fp16_centers=False): the dense update is float32 only")
+        if self.cpu_precision not in CPU_PRECISIONS:
+            problems.append(f"cpu_precision={self.cpu_precision!r} must be one of "
+                            f"{', '.join(map(repr, CPU_PRECISIONS))}")
+        elif self.cpu_precision == "bfloat16" and not self.fp16:
+            problems.append("cpu_precision='bfloat16' asks for the 16-bit backbone that "
+                            "fp16=False turns off; set fp16=True too")
         if not 0 <= self.dropout < 1:
             problems.append(f"dropout={self.dropout} must be in [0, 1)")
         problems += self.augmentation().problems()
@@ -244,8 +256,9 @@ FIELD_TYPES = typing.get_type_hints(Config)
 
 
 def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> Config:
-    """Read a config file, apply `key=value` overrides, validate."""
-    values = read_config_file(Path(path))
+    """Read a config file (find_config: from the current folder, else the repository's),
+    apply `key=value` overrides, validate."""
+    values = read_config_file(find_config(str(path), Path.cwd(), f"config {path}"))
     for override in overrides:
         key, value = parse_override(override)
         values[key] = value
@@ -263,10 +276,6 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
 def read_config_file(path: Path) -> dict:
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist (looked for {path.absolute()}); "
-                          f"give its path from the current folder {Path.cwd()}, or use one of "
-                          f"{CONFIGS}")
     try:
         namespace = runpy.run_path(str(path))
     except Exception as error:  # a user's Python file: any error is theirs to see
@@ -274,7 +283,8 @@ def read_config_file(path: Path) -> dict:
     values = {}
     base = namespace.get("_base_")
     if base:
-        values.update(read_config_file(base_config(str(base), path)))
+        values.update(read_config_file(find_config(str(base), path.parent, f"_base_ = {base!r} "
+                                                                           f"in {path}")))
     for key, value in namespace.items():
         if key.startswith("_") or callable(value) or isinstance(value, types.ModuleType):
             continue
@@ -283,14 +293,16 @@ def read_config_file(path: Path) -> dict:
     return values
 
 
-def base_config(base: str, including: Path) -> Path:
-    """`_base_` from the including config's folder, else from the repository's configs/
-    (an absolute path as it is)."""
-    places = [including.parent / base, CONFIGS / base]
+def find_config(name: str, folder: Path, what: str) -> Path:
+    """A config named from `folder` (the current one for CONFIG, the including
+    config's for `_base_`), else from the repository: `configs/ms1mv3_r50.py` and
+    `ms1mv3_r50.py` work from any folder. An absolute path is taken as it is."""
+    places = list(dict.fromkeys([folder / name, CONFIGS.parent / name, CONFIGS / name]))
     found = next((place for place in places if place.is_file()), None)
     if found is None:
-        raise ConfigError(f"_base_ = {base!r} in {including}: no such config (looked for "
-                          f"{' and '.join(str(p.absolute()) for p in places)})")
+        raise ConfigError(f"{what}: no such config file (looked for "
+                          f"{', '.join(str(p.absolute()) for p in places)}); give its path "
+                          f"from {folder.absolute()}, or the name of one in {CONFIGS}")
     return found
 
 

@@ -21,7 +21,10 @@ change; `_base_ = "orl.py"` starts from a shipped one. Every key, its type, defa
 and meaning is in the tables further down.
 
 A config is a Python file of `key = value` lines (`configs/*.py`); `_base_ = "other.py"`
-takes another's values first (found beside the config, then in `configs/`), and
+takes another's values first (found beside the config, then in `configs/`). The config
+you name (`train CONFIG`, `check CONFIG`, `CONFIG=... bash config.sh`) is found the
+same way: from the current folder, then in the repository, so `configs/ms1mv3_r50.py`
+or `ms1mv3_r50.py` works from any folder (training says which file it took). And
 `key=value` words on the command line override both (`python -m partial_fc_mx train
 configs/orl.py batch_size=32`, `bash config.sh sample_rate=0.1`). Unknown keys (with a
 did-you-mean) and values of the wrong type are errors, and so are values that would

@@ -154,7 +154,7 @@ def training_device(world: World) -> mx.Context:
     problem = (mixed_devices([kind for kind, _ in everyone])
                or shared_gpus([gpu for _, gpu in everyone]))
     if problem:
-        raise DeviceError(problem)
+        raise agreed(DeviceError(problem))
     return ctx
 
 
@@ -208,7 +208,8 @@ def any_rank(flag: bool, name: str) -> bool:
 def raise_on_every_rank(error: Exception | None, name: str, failed: bool | None = None) -> None:
     """Called by every rank at the same point: if any rank failed, every rank raises
     the same error, of the first failing rank's type, with every failing rank's
-    message, so no rank is left waiting in the next collective.
+    message (naming the ranks where only some failed, or failed differently), so no
+    rank is left waiting in the next collective; printed by rank 0 alone (`agreed`).
 
     One allreduce of a flag in the common case (none when the caller already knows
     `failed` from its own allreduce); the messages are gathered only on failure.
@@ -226,10 +227,22 @@ def raise_on_every_rank(error: Exception | None, name: str, failed: bool | None 
     ranks_of: dict[str, list[str]] = {}
     for rank, (_, text) in failures:
         ranks_of.setdefault(text, []).append(str(rank))
-    message = mine[1] if len(everyone) == 1 else "; ".join(
-        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}: {text}"
-        for text, ranks in ranks_of.items())
-    raise kind(message)
+    if len(failures) == len(everyone) and len(ranks_of) == 1:  # the same on every rank
+        message = failures[0][1][1]
+    else:
+        message = "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}: {text}"
+                            for text, ranks in ranks_of.items())
+    raise agreed(kind(message))
+
+
+E = TypeVar("E", bound=Exception)
+
+
+def agreed(error: E) -> E:
+    """`error`, which every rank raises alike at this point, marked to be printed by
+    rank 0 alone (`printed_by_rank_0` on the others): one message, not one per rank."""
+    error.printed_by_rank_0 = hvd.rank() != 0
+    return error
 
 
 def constructible_from_message(kind: type) -> bool:

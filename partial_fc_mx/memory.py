@@ -25,7 +25,7 @@ from .backbones import get_model, graph_of
 from .centers import MemoryEstimate, estimate_memory
 from .config import Config
 from .data.transforms import FACE_SIZE
-from .precision import compute_dtype, mixed_precision_graph
+from .precision import mixed_precision_graph
 
 KEPT_PER_ACTIVATION = 2
 """Each forward output is kept for the backward, with a gradient buffer of its size."""
@@ -62,10 +62,10 @@ estimate is within 8% for IResNets in float32 but 32% short for MobileFaceNet
 (docs/benchmarks.md)."""
 
 
-def estimate_run_memory(config: Config, world_size: int, rank: int,
-                        ctx: mx.Context) -> RunMemory:
-    """What rank `rank` of `world_size` needs for `config` on a device like `ctx`."""
-    return RunMemory(backbone_memory(config, ctx), partial_fc_memory(config, world_size, rank))
+def estimate_run_memory(config: Config, world_size: int, rank: int, dtype: str) -> RunMemory:
+    """What rank `rank` of `world_size` needs for `config` with the backbone computing
+    in `dtype` (cpu_precision.py)."""
+    return RunMemory(backbone_memory(config, dtype), partial_fc_memory(config, world_size, rank))
 
 
 def partial_fc_memory(config: Config, world_size: int, rank: int) -> MemoryEstimate:
@@ -76,10 +76,10 @@ def partial_fc_memory(config: Config, world_size: int, rank: int) -> MemoryEstim
         config.batch_size * world_size, config.fp16_centers, config.centers_optimizer())
 
 
-def backbone_memory(config: Config, ctx: mx.Context) -> BackboneMemory:
+def backbone_memory(config: Config, dtype: str) -> BackboneMemory:
     graph = graph_of(get_model(config.network, config.embedding_size, config.dropout))
-    if config.fp16:
-        graph = mixed_precision_graph(graph, compute_dtype(ctx))
+    if dtype != "float32":
+        graph = mixed_precision_graph(graph, dtype)
     data = (config.batch_size, 3, FACE_SIZE, FACE_SIZE)
     arguments, _, auxiliary = graph.infer_shape(data=data)
     names = graph.list_arguments()

@@ -33,8 +33,10 @@ def evaluation_line(record: dict) -> str:
 
 
 def baseline_line(record: dict) -> str:
-    return (f"[{record['name']}] model accuracy {record['accuracy']:.4f} vs eigenfaces (PCA) "
-            f"baseline {record['eigenfaces']:.4f} on the same pairs")
+    before = record.get("before_training")
+    at_start = f" ({before:.4f} at step 0, before training)" if before is not None else ""
+    return (f"[{record['name']}] model accuracy {record['accuracy']:.4f}{at_start} vs "
+            f"eigenfaces (PCA) baseline {record['eigenfaces']:.4f} on the same pairs")
 
 
 HUMAN_LINES = {"step": step_line, "evaluation": evaluation_line, "baseline": baseline_line}

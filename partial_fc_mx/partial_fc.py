@@ -35,6 +35,7 @@ import mxnet as mx
 import numpy as np
 from mxnet.ndarray import register
 
+from . import dist
 from .center_optimizers import CenterOptimizer
 from .center_optimizers.sgd import SGD
 from .centers import (
@@ -273,7 +274,8 @@ class PartialFC:
                 problems.append(f"rank {r} passed non-finite embeddings (NaN/Inf) in batch rows "
                                 f"{local_rows}")
         if problems:
-            raise PartialFCInputError("Partial FC input rejected: " + "; ".join(problems))
+            raise dist.agreed(PartialFCInputError("Partial FC input rejected: "
+                                                  + "; ".join(problems)))
 
     def sample(self, labels: np.ndarray) -> tuple:
         """Choose this step's centers for the global batch's `labels`.

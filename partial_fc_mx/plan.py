@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import mxnet as mx
-
 from .centers import center_dtype, sampled_per_step, shard_of
 from .config import Config, ConfigError
 from .memory import CLOSE, RunMemory, backbone_memory, partial_fc_memory
@@ -103,6 +101,12 @@ class Plan:
         }
 
 
+def backbone_dtype(config: Config, device: str) -> str:
+    """fp16 on a GPU: float16. On a CPU host whose CPU is not known here, fp16 may train
+    in bfloat16 or float32 (cpu_precision.py): planned in float32, the larger."""
+    return "float16" if config.fp16 and device == "gpu" else "float32"
+
+
 def make_plan(config: Config, world_size: int | None, *, gpu_memory: float | None = None,
               host_memory: float | None = None) -> Plan:
     """The plan of `config` (validated here) on `world_size` GPUs of `gpu_memory` GiB,
@@ -117,8 +121,7 @@ def make_plan(config: Config, world_size: int | None, *, gpu_memory: float | Non
     if world_size is not None and world_size < 1:
         raise ConfigError(f"the number of GPUs (processes) must be >= 1 (got {world_size})")
     device = "gpu" if gpu_memory is not None else "cpu"
-    # only the device type matters (float16 on a GPU, bfloat16 on a CPU host): no GPU needed
-    backbone = backbone_memory(config, mx.gpu(0) if device == "gpu" else mx.cpu())
+    backbone = backbone_memory(config, backbone_dtype(config, device))
 
     def available(size: int) -> int:
         return int(memory * GiB) // (1 if device == "gpu" else size)
@@ -189,8 +192,10 @@ def backbone_macs(config: Config) -> int:
 def format_plan(plan: Plan) -> str:
     """The plan as the `plan` command prints it."""
     config, size = plan.config, plan.world_size
-    backbone_bits = ("16 bits (float16)" if plan.device == "gpu" else "16 bits (bfloat16)"
-                     ) if config.fp16 else "float32"
+    backbone_bits = backbone_dtype(config, plan.device)
+    if config.fp16 and plan.device == "cpu":
+        backbone_bits += (" (fp16=True on a CPU host: bfloat16 where the CPU computes it "
+                          "natively, else float32; planned in float32, the larger)")
     where = (f"{size} GPU(s) of {plan.available / GiB:.1f} GiB" if plan.device == "gpu"
              else f"{size} process(es) sharing a host, {plan.available / GiB:.1f} GiB each")
     lines = [

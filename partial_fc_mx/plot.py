@@ -12,15 +12,25 @@ from .data import DataError
 from .metrics import METRICS, read_metrics
 
 
+def pyplot():
+    """matplotlib.pyplot drawing to files (no screen needed), without the line matplotlib
+    prints the first time it builds its font cache: nothing for a user to act on."""
+    import logging
+
+    import matplotlib
+
+    logging.getLogger("matplotlib.font_manager").setLevel(logging.ERROR)
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def plot_work_dirs(work_dirs: list[str], out: str | None = None) -> list[Path]:
     """One figure per quantity, one curve per work dir: comparing runs (an ablation's
     arms) needs them on the same axes. Written to `out`, by default WORK_DIR/plots for
     one work dir and ./plots for several."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     runs = {label(path, len(work_dirs)): read_work_dir(Path(path)) for path in work_dirs}
     out_dir = Path(out or (Path(work_dirs[0]) / "plots" if len(work_dirs) == 1 else "plots"))
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -13,21 +13,26 @@ shares the float32 network's parameters (`mixed_precision_block`), so:
   - every parameter's gradient is float32 (the casts' backward converts them).
 
 On a GPU the 16 bits are float16. MXNet 1.9.1 has no float16 convolution on the CPU
-('FP16 gemm on cpu not implemented'), so a CPU host runs the same conversion with
-bfloat16, which oneDNN computes: a user's GPU config runs unchanged on a CPU host
-(slower), and the conversion, the scaler and the checkpoints are exercised by real
-training where no GPU exists.
+('FP16 gemm on cpu not implemented'), so a CPU host that computes bfloat16 natively runs
+the same conversion in bfloat16, and other CPUs train in float32 (cpu_precision.py): a
+user's GPU config runs unchanged on any CPU host, and the conversion, the scaler and
+the checkpoints are exercised by real training where no GPU exists.
 """
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import mxnet as mx
 import numpy as np
 
-from .backbones import graph_of
+from .backbones import get_model, graph_of
+from .data.transforms import FACE_SIZE
 from .errors import UserError
+
+if TYPE_CHECKING:
+    from .config import Config
 
 MULTI_ALL_FINITE_MAX = 200
 """multi_all_finite's kernel holds 200 arrays and does not check the count: 201 crash
@@ -51,9 +56,23 @@ def all_finite(arrays: list) -> bool:
     return all(bool(flag.asscalar()) for flag in flags)
 
 
-def compute_dtype(ctx: mx.Context) -> str:
-    """The 16-bit type the backbone computes in with fp16=True on `ctx`."""
-    return "float16" if ctx.device_type == "gpu" else "bfloat16"
+def build_backbone(config: Config, ctx: mx.Context, dtype: str = "float32") -> tuple:
+    """(net, model): the float32 network, and what computes the embeddings: net itself
+    in float32, else its mixed-precision graph in `dtype` over the same parameters
+    (cpu_precision.py chooses the type).
+
+    Parameters get their shapes by shape inference, not by a forward pass: an
+    inference-mode forward lets oneDNN reorder the weights in place into its blocked
+    layout, and the raw-byte writes of the parameter broadcast and load_parameters
+    into such arrays corrupted them (crashes, MPI_ERR_TRUNCATE, hangs)."""
+    net = get_model(config.network, config.embedding_size, config.dropout)
+    net.initialize(mx.init.Xavier(rnd_type="gaussian", factor_type="out", magnitude=2),
+                   ctx=ctx)
+    net.infer_shape(mx.nd.zeros((1, 3, FACE_SIZE, FACE_SIZE), ctx=ctx))
+    for param in net.collect_params().values():
+        param._finish_deferred_init()
+    net.hybridize(static_alloc=True, static_shape=True)
+    return net, net if dtype == "float32" else mixed_precision_block(net, dtype)
 
 
 def mixed_precision_block(net: mx.gluon.HybridBlock, dtype: str) -> mx.gluon.SymbolBlock:

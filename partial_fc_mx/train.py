@@ -17,6 +17,7 @@ before the next collective, so every rank stops with the same message.
 from __future__ import annotations
 
 import contextlib
+import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,8 +27,8 @@ import horovod.mxnet as hvd
 import mxnet as mx
 import numpy as np
 
-from . import checkpoint, dist, workdir
-from .backbones import get_model
+from . import checkpoint, cpu_precision, dist, workdir
+from .background_export import BackgroundExport
 from .check import dataset_disagreement_across_ranks
 from .checkpoint import CheckpointError, TrainState
 from .config import Config
@@ -36,16 +37,14 @@ from .data.device import on_device
 from .data.loader import Batch, FaceLoader, RandomLoader, in_step
 from .data.recordio import RecordDataset
 from .data.source import make_loader, open_dataset
-from .data.transforms import FACE_SIZE
 from .errors import UserError
 from .evaluation.baseline import eigenfaces_accuracy
 from .evaluation.validator import Validator
 from .evaluation.verification import load_bin, mxnet_forward
-from .export import export_onnx
 from .interrupts import StopRequest, Watchdog
 from .optimizers import AdamW, OptimizerStateError
 from .partial_fc import NoTimer, PartialFC
-from .precision import LossScaler, clip_global_norm, compute_dtype, mixed_precision_block
+from .precision import LossScaler, build_backbone, clip_global_norm
 from .schedule import Plan
 from .training_log import TrainingLog
 
@@ -61,6 +60,8 @@ class Run:
     config: Config
     world: dist.World
     ctx: mx.Context
+    precision: cpu_precision.Choice
+    """The backbone's compute type (float16, bfloat16 or float32) and why."""
     work_dir: Path
     dataset: RecordDataset | None
     loader: FaceLoader | RandomLoader
@@ -76,6 +77,8 @@ class Run:
     plan: Plan
     scaler: LossScaler
     log: TrainingLog
+    exports: BackgroundExport
+    """backbone.onnx of each save, written by another process on rank 0."""
 
 
 def train(config: Config, resume_from: str | None = None, load_from: str | None = None) -> int:
@@ -83,7 +86,7 @@ def train(config: Config, resume_from: str | None = None, load_from: str | None 
     batch -> train_step -> after_step, step after step."""
     with StopRequest() as stop, Watchdog(config.stall_timeout) as watchdog:
         run = start(config, resume_from, load_from)  # watched too: a stuck file system
-        with contextlib.closing(run.log):
+        with contextlib.closing(run.log), run.exports:
             first_step = run.state.step
             if first_step == 0 and config.val_targets:
                 evaluate(run)  # the untrained network: what training adds
@@ -93,6 +96,7 @@ def train(config: Config, resume_from: str | None = None, load_from: str | None 
                 lr = learning_rate(run)
                 loss = train_step(run, batch, lr)
                 due = after_step(run, loss, lr, stopping=stop.signal is not None)
+                run.exports.poll()
                 if due.stop:
                     return stop.exit_code
                 if due.done:
@@ -130,18 +134,18 @@ def after_step(run: Run, loss: float, lr: float, stopping: bool) -> Due:
     state, epoch = run.state, run.state.epoch
     state.step += 1
     state.advance(run.loader.global_batch, run.loader.num_images)
-    if not np.isfinite(loss):
-        raise TrainingError(
+    if not np.isfinite(loss):  # the global batch's: the same on every rank
+        raise dist.agreed(TrainingError(
             f"the loss became {loss} at step {state.step} (lr {lr:g}); stopping "
             "without saving. The last good checkpoint is untouched: lower lr or "
-            "set clip_grad, then resume with --resume-from")
+            "set clip_grad, then resume with --resume-from"))
     run.log.step(state.step, epoch, loss, lr, run.scaler.scale, state.images_seen)
     due = due_after(run.config, state, run.plan.done(state.epoch, state.images_in_epoch),
                     dist.any_rank(stopping, name="stop"))
     if due.evaluate:
         evaluate(run)
     if due.save:
-        save(run, export=not due.stop)
+        save(run, export=not due.stop, last=due.done)
     if due.stop:
         run.log.info(f"stopped by a signal at step {state.step}; resume with "
                      f"--resume-from {run.work_dir}")
@@ -191,15 +195,17 @@ def start(config: Config, resume_from: str | None, load_from: str | None) -> Run
     """Everything a run needs, with every rank failing together on bad input."""
     world = dist.init()
     ctx = dist.training_device(world)
+    precision = agreed_precision(config, ctx)
     mx.random.seed(config.seed)
     work_dir, dataset, loader, validator, (net, model), pfc, trainer = dist.run_agreed(
-        lambda: build(config, world, ctx, fresh_centers=not (resume_from or load_from)),
+        lambda: build(config, world, ctx, precision.dtype,
+                      fresh_centers=not (resume_from or load_from)),
         "start", (UserError,), TrainingError,
         "start-up failed")
     workdir.check_shared(work_dir, world)
     if problem := dataset_disagreement_across_ranks(
             dataset.records.fingerprint() if dataset is not None else None):
-        raise DataError(problem)
+        raise dist.agreed(DataError(problem))
     state, notes = restore(config, world, ctx, work_dir, net, trainer, pfc, validator,
                            resume_from, load_from)
     dist.broadcast_parameters(net.collect_params(), root_rank=0)
@@ -209,14 +215,29 @@ def start(config: Config, resume_from: str | None, load_from: str | None) -> Run
     total = state.step + plan.steps_left(state.epoch, state.images_in_epoch, loader.global_batch)
     log = TrainingLog(work_dir, world.is_main, total, loader.global_batch, config.frequent,
                       first_step=state.step)
-    for note in [*notes, describe(config, world, ctx, loader, state, total)]:
+    for note in [*notes, describe(config, world, ctx, precision, loader, state, total)]:
         log.info(note)
-    scaler = LossScaler.resumed(config.fp16, state.loss_scale if resume_from else None)
-    return Run(config, world, ctx, work_dir, dataset, loader, net, model, pfc, trainer,
-               validator, state, plan, scaler, log)
+    scaler = LossScaler.resumed(precision.dtype != "float32",
+                                state.loss_scale if resume_from else None)
+    return Run(config, world, ctx, precision, work_dir, dataset, loader, net, model, pfc, trainer,
+               validator, state, plan, scaler, log,
+               BackgroundExport(work_dir, world.is_main, log.info))
 
 
-def build(config: Config, world: dist.World, ctx: mx.Context, fresh_centers: bool) -> tuple:
+def agreed_precision(config: Config, ctx: mx.Context) -> cpu_precision.Choice:
+    """The backbone's compute type, the same on every rank (cpu_precision.py): each
+    rank's host decides, cached, before anything is built; a forced bfloat16 that
+    a host cannot run stops every rank."""
+    network = (config.network, config.embedding_size, config.dropout)
+    mine = dist.run_agreed(lambda: cpu_precision.host_choice(
+        config.cpu_precision, config.fp16, ctx.device_type == "gpu", network),
+        "precision", (UserError,), TrainingError, "cannot choose the backbone's precision")
+    return cpu_precision.agree(dist.allgather_object((socket.gethostname(), mine),
+                                                     name="precision.hosts"))
+
+
+def build(config: Config, world: dist.World, ctx: mx.Context, dtype: str,
+          fresh_centers: bool) -> tuple:
     """The run's parts, from local work only: no collective, so a rank that fails here
     cannot leave the others waiting. Without `fresh_centers` (a checkpoint will
     replace them: restore() fails the run otherwise) the centers are not drawn: minutes
@@ -227,7 +248,7 @@ def build(config: Config, world: dist.World, ctx: mx.Context, fresh_centers: boo
     loader = make_loader(config, world, dataset)
     validator = Validator([load_bin(p) for p in config.val_paths()] if world.is_main else [],
                           work_dir)
-    net, model = build_backbone(config, ctx)
+    net, model = build_backbone(config, ctx, dtype)
     pfc = PartialFC(config.num_classes, config.embedding_size, rank=world.rank,
                     world_size=world.size, ctx=ctx, sample_rate=config.sample_rate,
                     margin=config.margin_function(), fp16_centers=config.fp16_centers,
@@ -237,39 +258,16 @@ def build(config: Config, world: dist.World, ctx: mx.Context, fresh_centers: boo
             make_trainer(config, net))
 
 
-def describe(config: Config, world: dist.World, ctx: mx.Context, loader, state: TrainState,
-             total: int) -> str:
+def describe(config: Config, world: dist.World, ctx: mx.Context,
+             precision: cpu_precision.Choice, loader, state: TrainState, total: int) -> str:
     """The log's first line about the run: what trains where, and from which point."""
     resumed = (f", resumed at step {state.step} (epoch {state.epoch}, "
                f"{state.images_in_epoch} images into it)" if state.step else "")
-    precision = "float32"
-    if config.fp16:
-        precision = compute_dtype(ctx)
-        if precision != "float16":  # said once, in the log's first line about the run
-            precision += (" (fp16=True on a host without a GPU: MXNet has no float16 "
-                          "convolutions on the CPU, so the same mixed-precision graph "
-                          "computes in bfloat16; slower than float32 here)")
+    why = f" ({precision.reason})" if config.fp16 else ""
     return (f"training {config.network} on {config.rec}: {config.num_classes} classes, "
-            f"{world.size} processes on {ctx}, backbone in {precision}, {len(loader)} steps "
+            f"{world.size} processes on {ctx}, backbone in {precision.dtype}{why}, "
+            f"{len(loader)} steps "
             f"per epoch, {total} steps{resumed}")
-
-
-def build_backbone(config: Config, ctx: mx.Context) -> tuple:
-    """(net, model): the float32 network, and what computes the embeddings (net, or
-    with fp16 its mixed-precision graph over the same parameters).
-
-    Parameters get their shapes by shape inference, not by a forward pass: an
-    inference-mode forward lets oneDNN reorder the weights in place into its blocked
-    layout, and the raw-byte writes of the parameter broadcast and load_parameters
-    into such arrays corrupted them (crashes, MPI_ERR_TRUNCATE, hangs)."""
-    net = get_model(config.network, config.embedding_size, config.dropout)
-    net.initialize(mx.init.Xavier(rnd_type="gaussian", factor_type="out", magnitude=2),
-                   ctx=ctx)
-    net.infer_shape(mx.nd.zeros((1, 3, FACE_SIZE, FACE_SIZE), ctx=ctx))
-    for param in net.collect_params().values():
-        param._finish_deferred_init()
-    net.hybridize(static_alloc=True, static_shape=True)
-    return net, mixed_precision_block(net, compute_dtype(ctx)) if config.fp16 else net
 
 
 def make_trainer(config: Config, net) -> mx.gluon.Trainer:
@@ -345,22 +343,18 @@ def train_step(run: Run, batch: Batch, lr: float, timer=None) -> float:
 
 
 # ----- saving and evaluating -----
-def save(run: Run, export: bool = True) -> None:
-    """A checkpoint on every rank, then (rank 0) backbone.onnx: derived from the
-    checkpoint, so a failed export is a warning, not the end of the run."""
+def save(run: Run, export: bool = True, last: bool = False) -> None:
+    """A checkpoint on every rank; then rank 0 has backbone.onnx derived from it by
+    another process (background_export.py): no rank waits for the export. The run's
+    `last` save is exported by rank 0 at once: no step follows it."""
     run.state.loss_scale = run.scaler.scale
     start_time = time.time()
     path = checkpoint.save(run.work_dir, run.state, run.net, run.trainer, run.pfc,
                            run.validator, run.world, run.config.keep_checkpoints)
-    if not run.world.is_main:
-        return
-    exported = ""
+    exporting = "; backbone.onnx follows in the background" if export and not last else ""
+    run.log.info(f"saved checkpoint {path} in {time.time() - start_time:.1f} s{exporting}")
     if export:
-        try:
-            exported = f" and {export_onnx(run.work_dir)}"
-        except Exception as error:  # the checkpoint is safe; say so and go on
-            run.log.info(f"WARNING: could not export backbone.onnx: {error!r}")
-    run.log.info(f"saved checkpoint {path}{exported} in {time.time() - start_time:.1f} s")
+        run.exports.request(run.state.step, last)
 
 
 def evaluate(run: Run) -> None:
@@ -385,11 +379,13 @@ def evaluate(run: Run) -> None:
 
 
 def report_baseline(run: Run) -> None:
-    """The eigenfaces (PCA) accuracy on the same pairs, beside the model's last one."""
+    """The eigenfaces (PCA) accuracy on the same pairs, beside the model's last one and
+    its first (step 0): the gain from training is the gap between those two."""
     if run.dataset is None:
         return
     sample = FaceLoader(run.dataset, min(len(run.dataset), 2000), mirror=False, seed=0)
     train_images = next(iter(sample.epoch(0))).images
     for pairs in run.validator.sets:
         baseline = eigenfaces_accuracy(train_images, pairs)
-        run.log.baseline(pairs.name, run.validator.accuracy[pairs.name], baseline.accuracy)
+        run.log.baseline(pairs.name, run.validator.accuracy[pairs.name],
+                         run.validator.before_training.get(pairs.name), baseline.accuracy)

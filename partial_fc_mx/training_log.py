@@ -85,10 +85,12 @@ class TrainingLog:
                      "tar_at_far": {f"{far:g}": tar for far, tar in result.tar_at_far.items()}},
                     scalars)
 
-    def baseline(self, name: str, accuracy: float, eigenfaces: float) -> None:
-        """The model's last accuracy on a set beside the eigenfaces (PCA) baseline's."""
+    def baseline(self, name: str, accuracy: float, before_training: float | None,
+                 eigenfaces: float) -> None:
+        """The model's last accuracy on a set beside its accuracy before training (None:
+        not evaluated at step 0) and the eigenfaces (PCA) baseline's."""
         self.record({"kind": "baseline", "name": name, "accuracy": accuracy,
-                     "eigenfaces": eigenfaces}, {})
+                     "before_training": before_training, "eigenfaces": eigenfaces}, {})
 
     def record(self, record: dict, scalars: dict) -> None:
         """One record: a metrics.jsonl line, its training.log line and TensorBoard scalars.

@@ -90,4 +90,4 @@ def unseen(probe: Path, ranks) -> list[int]:
 def check_shared(work_dir: Path, world: dist.World) -> None:
     """Raise WorkDirError on every rank when `work_dir` is not shared by all of them."""
     if problems := sharing_problems(work_dir, world):
-        raise WorkDirError("; ".join(problems))
+        raise dist.agreed(WorkDirError("; ".join(problems)))

@@ -91,6 +91,51 @@ def python_module(*args: str) -> list[str]:
     return [sys.executable, "-m", "partial_fc_mx", *args]
 
 
+# ----- what this CPU runs (oneDNN's ISA depends on it; docs/tests.md) -----
+CPU_FLAGS = set(" ".join(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                         if line.startswith("flags")).split())
+ONEDNN_BELOW_AVX512 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX512_MIC", "AVX512_MIC_4OPS"}
+ONEDNN_BELOW_BF16 = ONEDNN_BELOW_AVX512 | {"AVX512_CORE", "AVX512_CORE_VNNI"}
+
+
+def onednn_cap(env: dict | None = None) -> str:
+    """DNNL_MAX_CPU_ISA where the processes a test starts run: its env, else the
+    suite's own (a whole suite run under the AVX2 cap)."""
+    return ({**os.environ, **(env or {})}.get("DNNL_MAX_CPU_ISA") or "ALL").upper()
+
+
+def bfloat16_runs(env: dict | None = None) -> bool:
+    """Whether oneDNN can build bfloat16 convolutions here: AVX-512 (avx512_core) and
+    no cap below it. Read from the CPU's flags, independently of the code tested."""
+    avx512_core = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= CPU_FLAGS
+    return avx512_core and onednn_cap(env) not in ONEDNN_BELOW_AVX512
+
+
+def bfloat16_native(env: dict | None = None) -> bool:
+    """Whether the CPU computes bfloat16 natively (AVX512_BF16 or AMX) and oneDNN may
+    use it: what cpu_precision='auto' trains the 16-bit backbone in bfloat16 on."""
+    flags = bool({"avx512_bf16", "amx_bf16"} & CPU_FLAGS)
+    return flags and bfloat16_runs(env) and onednn_cap(env) not in ONEDNN_BELOW_BF16
+
+
+def sixteen_bits(env: dict | None = None) -> tuple[dict, str]:
+    """(config keys, the backbone's compute type) of a test of the 16-bit path: the
+    AMP graph forced into bfloat16 wherever oneDNN runs it, else what auto does on a
+    CPU that cannot (float32)."""
+    if bfloat16_runs(env):
+        return {"fp16": True, "cpu_precision": "bfloat16"}, "bfloat16"
+    return {"fp16": True}, "float32"
+
+
+ISA_CAPS = [None, "AVX2"]
+"""The oneDNN settings the ISA-dependent tests run under: the CPU's own, and capped at
+AVX2 (no AVX-512: how AMD Zen 2/3 and older Intel CPUs run)."""
+
+
+def isa_env(cap: str | None) -> dict:
+    return {"DNNL_MAX_CPU_ISA": cap} if cap else {}
+
+
 @pytest.fixture(autouse=True)
 def venv_on_path(monkeypatch):
     """Launchers and child processes find the venv's python, mpirun and horovodrun."""

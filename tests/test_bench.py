@@ -263,7 +263,8 @@ import argparse, psutil
 from partial_fc_mx import dist
 from partial_fc_mx.bench.train import bench_config
 args = argparse.Namespace(embedding_size=EMBEDDING, sample_rate=0.1, steps=1,
-                          warmup=0, output=OUTPUT, fp16_centers=False, fp16=False)
+                          warmup=0, output=OUTPUT, fp16_centers=False, fp16=False,
+                          cpu_precision="auto")
 world = dist.init()
 before = psutil.Process().memory_info().rss
 assert "img_s" in bench_config(world, NETWORK, 8, CLASSES, HEAD, args)
@@ -360,3 +361,16 @@ def test_a_benchmark_reports_a_user_error_without_a_traceback(tmp_path, capsys):
     error = capsys.readouterr().err
     assert error.startswith("error: ") and "partial_fc_v2.py does not exist" in error
     assert "Traceback" not in error
+
+
+def test_saving_bench_reports_what_each_way_of_saving_costs_the_run(tmp_path):
+    result = horovodrun_gloo(2, [sys.executable, "-m", "partial_fc_mx.bench", "saving",
+                                 "--networks", "tiny", "--steps", "2", "--classes", "100",
+                                 "--output", str(tmp_path)], timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:]
+    ways = re.findall(r"  (checkpoint[^\n]*?)\s+costs the run\s+([\d.-]+) s \(rank 0 [\d.-]+ s, "
+                      r"rank 1 [\d.-]+ s\); ([\d.]+)x the checkpoint alone", result.stdout)
+    assert [way for way, _, _ in ways] == ["checkpoint only", "checkpoint + export inline",
+                                           "checkpoint + export in background"], result.stdout
+    assert float(ways[0][2]) == 1.0
+    assert re.search(r"the background export took [\d.]+ s", result.stdout)

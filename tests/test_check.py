@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import mxnet as mx
 import numpy as np
 import pytest
-from conftest import horovodrun_gloo, mpirun, python_module, run
+from conftest import REPO, horovodrun_gloo, mpirun, python_module, run
 
 from partial_fc_mx.data.pack import write_records
 from partial_fc_mx.data.transforms import encode_jpeg
@@ -43,6 +44,8 @@ def test_good_setup_passes_and_reports_the_build(tmp_path, dataset):
     assert "Horovod 0.28.1: built with MXNet, MPI, Gloo" in out
     assert "MPI: Open MPI" in out
     assert "processes: 1 on 1 host(s)" in out and "device cpu(0)" in out
+    assert re.search(r"free memory [\d.]+ GiB, the run needs about [\d.]+ GiB", out), out
+    assert "backbone in float32: fp16=False" in out
 
 
 def test_missing_dataset_names_the_file(tmp_path, dataset):
@@ -186,3 +189,19 @@ def test_kernels_that_cannot_be_built_are_a_problem_of_the_preflight(tmp_path):
     assert result.returncode == 1, result.stdout
     problems = [line for line in result.stdout.splitlines() if line.startswith("PROBLEM")]
     assert len(problems) == 1 and "need a C++ compiler: install g++" in problems[0], problems
+
+
+def test_a_config_named_from_another_folder_is_the_repositorys_said_once(tmp_path, synthetic):
+    """README's `CONFIG=configs/...` from a folder of one's own, under a launcher of 2:
+    the repository's config is taken and said once; a config found nowhere is one error."""
+    args = ["configs/orl.py", f"rec={synthetic}", "num_classes=120", "val_targets=[]"]
+    result = mpirun(2, python_module("check", *args), cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:]
+    note = (f"config configs/orl.py is not in {tmp_path}: using the repository's "
+            f"{REPO / 'configs' / 'orl.py'}")
+    assert result.stdout.count(note) == 1, result.stdout[-3000:]
+    missing = mpirun(2, python_module("check", "configs/nowhere.py"), cwd=tmp_path, timeout=300)
+    assert missing.returncode == 2
+    said = re.findall(r"^error: (.*)$", missing.stdout, flags=re.MULTILINE)
+    assert len(said) == 1 and said[0].startswith(
+        "config configs/nowhere.py: no such config file"), missing.stdout[-3000:]

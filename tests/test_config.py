@@ -8,6 +8,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return path
 
@@ -104,7 +105,7 @@ def test_the_dense_center_update_is_refused_for_float16_centers(tmp_path):
 
 
 def test_missing_or_broken_file_names_it(tmp_path):
-    with pytest.raises(ConfigError, match="nope.py does not exist"):
+    with pytest.raises(ConfigError, match="nope.py: no such config file"):
         load_config(tmp_path / "nope.py")
     broken = write(tmp_path / "broken.py", "num_classes = = 3\n")
     with pytest.raises(ConfigError, match="broken.py failed to run"):
@@ -119,10 +120,23 @@ def test_val_targets_resolve_names_inside_rec(tmp_path):
 
 def test_a_missing_config_says_where_it_looked(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ConfigError, match=rf"config file mine.py does not exist \(looked for "
-                                          rf"{tmp_path}/mine.py\); give its path from the "
-                                          rf"current folder {tmp_path}"):
+    with pytest.raises(ConfigError, match=rf"config mine.py: no such config file \(looked for "
+                                          rf"{tmp_path}/mine.py, {REPO}/mine.py, "
+                                          rf"{CONFIGS}/mine.py\); give its path from "
+                                          rf"{tmp_path}, or the name of one in {CONFIGS}"):
         load_config("mine.py")
+
+
+def test_a_config_is_found_from_the_current_folder_then_in_the_repository(tmp_path,
+                                                                          monkeypatch):
+    """README's `CONFIG=configs/ms1mv3_r50.py` works from a folder of one's own."""
+    monkeypatch.chdir(tmp_path)
+    shipped = load_config(CONFIGS / "ms1mv3_r50.py")
+    assert load_config("configs/ms1mv3_r50.py") == shipped
+    assert load_config("ms1mv3_r50.py") == shipped
+    assert shipped.output == "work_dirs/ms1mv3_r50"  # in the current folder, as before
+    write(tmp_path / "configs" / "ms1mv3_r50.py", "num_classes = 5\n")
+    assert load_config("configs/ms1mv3_r50.py").num_classes == 5  # one's own comes first
 
 
 def test_base_is_found_beside_the_config_then_in_the_repositorys_configs(tmp_path):
@@ -135,6 +149,6 @@ def test_base_is_found_beside_the_config_then_in_the_repositorys_configs(tmp_pat
     assert (load_config(mine).network, load_config(mine).num_classes) == ("r18", 7)
     broken = write(tmp_path / "broken.py", "_base_ = 'nowhere.py'\n")
     with pytest.raises(ConfigError, match=rf"_base_ = 'nowhere.py' in {broken}: no such "
-                                          rf"config \(looked for {tmp_path}/nowhere.py and "
-                                          rf"{CONFIGS}/nowhere.py\)"):
+                                          rf"config file \(looked for {tmp_path}/nowhere.py, "
+                                          rf"{REPO}/nowhere.py, {CONFIGS}/nowhere.py\)"):
         load_config(broken)

@@ -3,14 +3,18 @@ overrides (a small synthetic dataset, few classes, a batch of 2 with the learnin
 scaled to it, 3 steps): it trains 2 steps and saves, resumes for 1 more step, exports
 backbone.onnx (the ONNX checker runs in the export) matching the MXNet backbone in
 onnxruntime, and `eval` scores it on a small .bin. A new config file is covered
-without editing this test. Configurations with fp16 = True run on this CPU through
-bfloat16 (precision.py).
+without editing this test.
 
-CI takes a shorter path (about 3 of the full 9 minutes): each network and precision
-runs at full size once, in the first config (by file name) that has them; a later
-config with the same network and precision trains `tiny` in its place, everything
-else as written (margin, sampling, classes, schedule, fp16). The full matrix, every
-config at its own network:
+Each runs twice: on this CPU as it is, and with oneDNN capped at AVX2 (how an AMD Zen
+2/3 or a pre-Ice Lake Intel CPU runs). Configurations with fp16 = True train in
+bfloat16 where the CPU computes it natively and in float32 elsewhere (cpu_precision.py),
+and the log must say which.
+
+CI takes a shorter path: under each ISA, each network and precision runs at full size
+once, in the first config (by file name) that has them; a later config with the same
+network and precision trains `tiny` in its place, everything else as written (margin,
+sampling, classes, schedule, fp16), and under the AVX2 cap does not run again. The full
+matrix, every config at its own network under both:
 
     PFC_FULL_MATRIX=1 .venv/bin/python -m pytest tests/test_configs.py --durations=0
 """
@@ -23,7 +27,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import REPO, mpirun, python_module, run
+from conftest import ISA_CAPS, REPO, bfloat16_native, isa_env, mpirun, python_module, run
 
 from partial_fc_mx.config import Config, load_config
 from partial_fc_mx.data.synthetic import prepare_synthetic
@@ -34,12 +38,18 @@ CLASSES = 60
 FULL_MATRIX = os.environ.get("PFC_FULL_MATRIX") == "1"
 
 
-def network_in_this_run(config: Path) -> str:
+def backbone_dtype(config: Config, env: dict) -> str:
+    """What the backbone computes in on this CPU under `env`, from the CPU's flags."""
+    return "bfloat16" if config.fp16 and bfloat16_native(env) else "float32"
+
+
+def network_in_this_run(config: Path, env: dict) -> str:
     """The config's network, or in the shorter path `tiny` when an earlier config
-    already runs this network at this precision."""
+    already runs this network at this precision under the same ISA."""
     written = load_config(config)
     earlier = [load_config(other) for other in CONFIGS[:CONFIGS.index(config)]]
-    if FULL_MATRIX or all((other.network, other.fp16) != (written.network, written.fp16)
+    mine = (written.network, backbone_dtype(written, env))
+    if FULL_MATRIX or all((other.network, backbone_dtype(other, env)) != mine
                           for other in earlier):
         return written.network
     return "tiny"
@@ -67,30 +77,41 @@ def scaled_down(written: Config, network: str, data: Path, steps: int) -> list[s
             "val_targets=[]", "num_workers=1", "frequent=1", "stall_timeout=600"]
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda path: path.stem)
-def test_config_trains_saves_resumes_exports_and_evaluates(config, tmp_path, small_data):
-    work = tmp_path / "work"
-    written, network = load_config(config), network_in_this_run(config)
+def matrix() -> list:
+    """(config, cap) pairs: every config under each ISA; in the shorter path, under the
+    AVX2 cap only those that run their own network (the others' tiny stand-in there
+    computes what `orl` does under the cap: the cap reaches oneDNN only, and a config's
+    margin, sampling and schedule never touch it)."""
+    return [pytest.param(config, cap, id=f"{config.stem}-{cap or 'native'}")
+            for cap in ISA_CAPS for config in CONFIGS
+            if cap is None or network_in_this_run(config, isa_env(cap))
+            == load_config(config).network]
+
+
+@pytest.mark.parametrize("config, cap", matrix())
+def test_config_trains_saves_resumes_exports_and_evaluates(config, cap, tmp_path, small_data):
+    work, env = tmp_path / "work", isa_env(cap)
+    written, network = load_config(config), network_in_this_run(config, env)
     first = mpirun(2, python_module("train", str(config),
                                     *scaled_down(written, network, small_data, 2),
-                                    "--work-dir", str(work)), timeout=900)
+                                    "--work-dir", str(work)), timeout=900, env=env)
     assert first.returncode == 0, first.stdout[-4000:]
     saved = work / "checkpoints" / "step_000002"
     assert json.loads((saved / "meta.json").read_text())["step"] == 2
     resumed = mpirun(2, python_module("train", str(config),
                                       *scaled_down(written, network, small_data, 3),
                                       "--work-dir", str(work), "--resume-from", str(work)),
-                     timeout=900)
+                     timeout=900, env=env)
     assert resumed.returncode == 0, resumed.stdout[-4000:]
     text = (work / "training.log").read_text()
     assert f"resuming from {saved}" in text
     assert (work / "checkpoints" / "step_000003" / "meta.json").is_file()
-    precision = "bfloat16" if written.fp16 else "float32"
     assert f"training {network} on {small_data}" in text
-    assert f"backbone in {precision}" in text
+    assert f"backbone in {backbone_dtype(written, env)}" in text
     assert "could not export" not in text
+    assert f"wrote {work / 'backbone.onnx'} (step 3) in " in text  # the last save's
     assert parity(work) <= 1e-4
     evaluated = run(python_module("eval", "--model", str(work),
-                                  "--bin", str(small_data / "synthetic_heldout.bin")))
+                                  "--bin", str(small_data / "synthetic_heldout.bin")), env=env)
     assert evaluated.returncode == 0, evaluated.stdout[-2000:]
     assert re.search(r"synthetic_heldout.bin: accuracy [\d.]+ \+-", evaluated.stdout)

@@ -120,7 +120,7 @@ def test_training_stops_every_rank_before_using_a_device(tmp_path, gpus, message
                                  str(tmp_path / "work")], timeout=180)
     assert result.returncode != 0
     lines = [line for line in result.stdout.splitlines() if message in line]
-    assert len(lines) == 3, result.stdout[-3000:]  # every rank, the same message
+    assert len(lines) == 1, result.stdout[-3000:]  # every rank stops; rank 0 says why
     assert not (tmp_path / "work" / "checkpoints").exists()
 
 
@@ -139,12 +139,12 @@ def test_two_processes_that_see_the_same_single_gpu_are_refused(tmp_path, fake_d
     assert same.returncode != 0
     lines = [line for line in same.stdout.splitlines()
              if "ranks 0, 1 on " in line and "share the GPU at PCI bus 0000:00:00.0" in line]
-    assert len(lines) == (1 if command == "check" else 2), same.stdout[-3000:]
+    assert len(lines) == 1, same.stdout[-3000:]
     own = horovodrun_gloo(2, args, timeout=180, env={
         "LD_LIBRARY_PATH": str(fake_driver),
         "FAKE_GPUS_BY_RANK": "NVIDIA A100=8.0@0000:3b:00.0|NVIDIA A100=8.0@0000:5e:00.0"})
     assert own.returncode != 0  # a CPU build cannot go on to use gpu(0)...
     assert "share the GPU" not in own.stdout  # ...but the device choice passed
     past = {"check": "cannot read the free memory of gpu(0)",
-            "train": "ranks 0, 1: start-up failed: MXNetError"}[command]
+            "train": "error: start-up failed: MXNetError"}[command]
     assert past in own.stdout, own.stdout[-3000:]

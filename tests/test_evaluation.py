@@ -156,12 +156,17 @@ def test_the_validator_keeps_the_best_model_and_its_record_across_a_resume(tmp_p
     assert json.loads(record.read_text()) == {"accuracy": pytest.approx(0.7), "step": 2}
     validator.accuracy = {"a": 0.9, "b": 0.5}  # equal mean: not better
     assert validator.keep_if_best(4, saved.append) is None and len(saved) == 1
+    step_0 = {"a": results["a"].accuracy, "b": results["b"].accuracy}  # before training
     assert validator.state_dict() == {"best_accuracy": pytest.approx(0.7), "best_step": 2,
-                                      "evaluated_step": None}  # the trainer sets it
+                                      "evaluated_step": None,  # the trainer sets it
+                                      "before_training": step_0}
 
     resumed = Validator([], tmp_path)
-    resumed.load_state_dict({"best_accuracy": 0.65, "best_step": 1})
+    resumed.load_state_dict({"best_accuracy": 0.65, "best_step": 1})  # an older format
     assert (resumed.best_accuracy, resumed.best_step) == (pytest.approx(0.7), 2)  # record's
+    assert resumed.before_training == {}
+    resumed.load_state_dict(validator.state_dict())
+    assert resumed.before_training == step_0
     resumed.load_state_dict({"best_accuracy": 0.75, "best_step": 3})
     assert (resumed.best_accuracy, resumed.best_step) == (0.75, 3)  # the checkpoint's
     record.write_text("{half a rec")

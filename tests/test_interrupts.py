@@ -74,10 +74,12 @@ def test_a_failing_run_gives_back_its_log_signal_handlers_and_watchdog(tmp_path,
     import types
 
     from partial_fc_mx import train
+    from partial_fc_mx.background_export import BackgroundExport
     from partial_fc_mx.training_log import TrainingLog
 
     log = TrainingLog(tmp_path, enabled=True, total_steps=1, global_batch=8, frequent=1)
-    run = types.SimpleNamespace(log=log, state=TrainState())
+    run = types.SimpleNamespace(log=log, state=TrainState(),
+                                exports=BackgroundExport(tmp_path, True, log.info))
 
     def fails(run):
         raise train.TrainingError("the first evaluation failed")

@@ -170,7 +170,7 @@ def test_a_work_dir_that_is_not_shared_is_reported_before_training(tmp_path, syn
     trained = finish(cluster.mpirun(train_args(config, work), env=env), timeout=300)
     assert trained.returncode == 1, trained.stdout[-3000:]
     said = re.findall(r"^error: (.*)$", trained.stdout, flags=re.MULTILINE)
-    assert len(said) == 2 and said[0] == said[1] and "is not shared between the hosts" in said[0]
+    assert len(said) == 1 and "is not shared between the hosts" in said[0]
     assert "Global Step" not in trained.stdout and time.time() - began < 60
 
 
@@ -196,7 +196,7 @@ def test_hosts_with_different_copies_of_the_dataset_are_reported(tmp_path, synth
                      timeout=300)
     assert trained.returncode == 1, trained.stdout[-3000:]
     said = re.findall(r"^error: (.*)$", trained.stdout, flags=re.MULTILINE)
-    assert len(said) == 2 and said[0] == said[1], trained.stdout[-3000:]
+    assert len(said) == 1, trained.stdout[-3000:]
     assert "the ranks read different copies of the dataset" in said[0]
 
 

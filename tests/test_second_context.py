@@ -11,7 +11,7 @@ import sys
 
 import mxnet as mx
 import pytest
-from conftest import config_file, horovodrun_gloo, logged, mpirun, run
+from conftest import config_file, horovodrun_gloo, logged, mpirun, run, sixteen_bits
 from context_guard import ContextMix, guard
 
 from partial_fc_mx.partial_fc import fully_connected_backward
@@ -47,13 +47,15 @@ def guarded(result) -> list[tuple[int, int]]:
 
 def test_training_keeps_every_operator_on_its_device(tmp_path, synthetic):
     """Sampled Partial FC with float16 AdamW centers, AdaFace, clip_grad and the 16-bit
-    backbone, evaluated and saved, then resumed on another number of processes; and
-    full Partial FC with CosFace and SGD. Every rank runs hundreds of operators and
-    the cached graphs under the check, none mixing contexts."""
+    backbone (bfloat16 where oneDNN runs it), evaluated and saved, then resumed on
+    another number of processes; and full Partial FC with CosFace and SGD. Every rank
+    runs hundreds of operators and the cached graphs under the check, none mixing
+    contexts."""
+    keys, dtype = sixteen_bits()
     sampled = config_file(tmp_path, synthetic, name="sampled.py", sample_rate=0.5,
                           fp16_centers=True, center_optimizer="adamw", margin="adaface",
-                          clip_grad=1.0, fp16=True, val_targets=["synthetic_heldout"],
-                          max_steps=3, save_every=2, keep_checkpoints=3)
+                          clip_grad=1.0, val_targets=["synthetic_heldout"],
+                          max_steps=3, save_every=2, keep_checkpoints=3, **keys)
     work = tmp_path / "sampled"
     first = horovodrun_gloo(2, [*WORKER, "train", str(sampled), "--work-dir", str(work)],
                             timeout=600)
@@ -71,7 +73,7 @@ def test_training_keeps_every_operator_on_its_device(tmp_path, synthetic):
         assert len(counts) == ranks, result.stdout[-3000:]
         assert all(operators > 300 and cached >= 1 for operators, cached in counts), counts
     text = logged(work)["text"]
-    assert "2 processes on cpu(1), backbone in bfloat16" in text
+    assert f"2 processes on cpu(1), backbone in {dtype}" in text
     assert logged(work)["accuracy"] and (work / "backbone.onnx").is_file()
     assert f"resuming from {step_2}" in logged(tmp_path / "resumed")["text"]
     assert "1 processes on cpu(1)" in logged(tmp_path / "resumed")["text"]

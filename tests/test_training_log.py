@@ -40,7 +40,7 @@ def test_every_training_log_line_of_a_record_is_made_from_its_metrics_record(tmp
     log.evaluation("heldout", 0, VerificationResult(0.5, 0.1, 0.5, {1e-3: 0.25}))
     for step in range(1, 5):
         log.step(step, epoch=0, loss=1.0 / step, lr=0.1 * step, loss_scale=1.0, images=8 * step)
-    log.baseline("heldout", 0.9, 0.8)
+    log.baseline("heldout", 0.9, 0.5, 0.8)
     log.info("a note, in training.log only")
     log.close()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -52,6 +52,8 @@ def test_every_training_log_line_of_a_record_is_made_from_its_metrics_record(tmp
     lines = [line.split(" ", 2)[2] for line in (tmp_path / "training.log").read_text().splitlines()]
     assert lines == [*map(human_line, records), "a note, in training.log only"]
     assert lines[0] == "[heldout][0]Accuracy-Flip: 0.50000+-0.10000   TAR@FAR=0.001: 0.25000"
+    assert lines[3] == ("[heldout] model accuracy 0.9000 (0.5000 at step 0, before training) vs "
+                        "eigenfaces (PCA) baseline 0.8000 on the same pairs")
     assert re.fullmatch(r"Speed [\d.]+ samples/sec   Loss 0\.2917   LearningRate 0\.400000   "
                         r"Epoch: 0   Global Step: 4   Required: 0\.0 hours   DataWait: [\d.]+%   "
                         r"Images: 32", lines[2])

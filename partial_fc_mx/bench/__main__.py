@@ -22,6 +22,7 @@ BENCHMARKS = {
     "anchor": "arcface_torch's PartialFC_V2 at pfc's shapes (in a torch environment)",
     "data": "decode throughput against mx.io.ImageRecordIter",
     "save": "the cost of durable, checksummed checkpoint files",
+    "saving": "what a save costs the run: checkpoint, ONNX export inline or in the background",
     "ijb": "IJB-C-sized metadata: time and peak memory",
     "index": "record index open: seconds and private memory per rank",
 }

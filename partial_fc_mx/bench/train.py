@@ -31,7 +31,7 @@ import mxnet as mx
 from .. import dist, train
 from ..centers import tensor_size_problem
 from ..check import free_memory
-from ..config import Config
+from ..config import CPU_PRECISIONS, Config
 from ..data.device import on_device
 from ..margins.combined import CombinedMargin
 from ..memory import estimate_run_memory
@@ -51,7 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fp16-centers", action="store_true",
                         help="Partial FC's centers and momentum in float16")
     parser.add_argument("--fp16", action="store_true",
-                        help="the backbone in 16 bits (bfloat16 on a CPU), as config fp16")
+                        help="the backbone in 16 bits, as config fp16 (on a CPU: what "
+                             "--cpu-precision says)")
+    parser.add_argument("--cpu-precision", choices=CPU_PRECISIONS, default="auto",
+                        help="config cpu_precision: what --fp16 means on a CPU")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--output", default=str(Path(tempfile.gettempdir()) /
@@ -160,14 +163,15 @@ def measure_config(world: dist.World, network: str, batch: int, num_classes: int
     config = Config(rec="random", num_classes=num_classes, num_image=10**6, network=network,
                     embedding_size=args.embedding_size, batch_size=batch,
                     sample_rate=args.sample_rate, fp16_centers=args.fp16_centers,
-                    fp16=args.fp16,
+                    fp16=args.fp16, cpu_precision=args.cpu_precision,
                     output=str(Path(args.output) / f"{network}-{batch}-{num_classes}-{head}"),
                     frequent=10**6)
     config.validate()
-    if head == "pfc":
-        result["estimate"] = estimate_run_memory(config, world.size, world.rank, ctx).total
     start = time.perf_counter()
     job = train.start(config, None, None)
+    if head == "pfc":
+        result["estimate"] = estimate_run_memory(config, world.size, world.rank,
+                                                 job.precision.dtype).total
     if head == "fc":
         job.pfc = None  # free the shard first
         job.pfc = dist.run_agreed(
@@ -191,8 +195,9 @@ def measure_config(world: dist.World, network: str, batch: int, num_classes: int
 
 
 def print_header(args, world: dist.World) -> None:
+    bits = f"16 bits (cpu_precision {args.cpu_precision})" if args.fp16 else "float32"
     print(f"Whole training step: {world.size} ranks, random 112x112 images, backbone in "
-          f"{'16 bits' if args.fp16 else 'float32'}, device {dist.device(0)}, "
+          f"{bits}, device {dist.device(0)}, "
           f"MXNet {mx.__version__}; Partial FC "
           f"sample_rate {args.sample_rate}, "
           f"{'float16' if args.fp16_centers else 'float32'} centers; fc = data-parallel FC "

@@ -337,11 +337,9 @@ def table(rows: dict[str, dict[float, float]], fars=FARS) -> str:
 
 def plot_rocs(curves: dict[str, Roc], out: Path, title: str) -> Path:
     """One PNG with every curve (TAR against log FAR)."""
-    import matplotlib
+    from ..plot import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     figure, axes = plt.subplots(figsize=(6, 4.5))
     for name, roc in curves.items():
         # ~2000 points evenly spread over log FAR: IJB-C's curve has millions

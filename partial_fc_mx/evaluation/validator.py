@@ -27,6 +27,10 @@ class Validator:
         self.work_dir = Path(work_dir)
         self.accuracy: dict[str, float] = {}
         """The last accuracy of each set."""
+        self.before_training: dict[str, float] = {}
+        """Each set's accuracy at step 0, before any training step (the untrained
+        network, or the weights --load-from took): what training added is measured
+        from it."""
         self.best_accuracy = -1.0
         self.best_step = 0
         self.evaluated_step: int | None = None
@@ -38,6 +42,8 @@ class Validator:
         """Every set's result for the model `forward` (images -> embeddings) at `step`."""
         results = {pairs.name: verify(forward, pairs) for pairs in self.sets}
         self.accuracy.update({name: result.accuracy for name, result in results.items()})
+        if step == 0:
+            self.before_training = dict(self.accuracy)
         return results
 
     def keep_if_best(self, step: int, save_model: Callable[[Path], None]) -> float | None:
@@ -55,7 +61,7 @@ class Validator:
 
     def state_dict(self) -> dict:
         return {"best_accuracy": self.best_accuracy, "best_step": self.best_step,
-                "evaluated_step": self.evaluated_step}
+                "evaluated_step": self.evaluated_step, "before_training": self.before_training}
 
     def load_state_dict(self, state: dict) -> None:
         """A checkpoint's best, or backbone-best.json's when that one is better (found
@@ -64,6 +70,8 @@ class Validator:
             (float(state["best_accuracy"]), int(state["best_step"])), self.best_on_disk())
         evaluated = state.get("evaluated_step")  # None in checkpoints written before it
         self.evaluated_step = None if evaluated is None else int(evaluated)
+        self.before_training = {str(name): float(accuracy) for name, accuracy
+                                in dict(state.get("before_training", {})).items()}
 
     def best_on_disk(self) -> tuple[float, int]:
         """(accuracy, step) of backbone-best.json, (-1, 0) when there is none."""
