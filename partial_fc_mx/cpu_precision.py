@@ -96,10 +96,12 @@ def choose(setting: str, network: str, probe: HostProbe, host: str) -> Choice:
     cpu = f"oneDNN uses {probe.isa}"
     if setting == "bfloat16":
         if probe.bfloat16 != "ok":
+            why = ("bfloat16 convolutions need AVX-512" if "AVX-512" not in probe.isa
+                   else f"oneDNN fails on {network}'s layers in bfloat16 here")
             raise PrecisionChoiceError(
                 f"cpu_precision='bfloat16': oneDNN cannot run {network} in bfloat16 on "
-                f"{host} ({cpu}): {probe.bfloat16}. bfloat16 convolutions need AVX-512; set "
-                "cpu_precision='auto' (float32 on this CPU) or 'float32'")
+                f"{host} ({cpu}): {probe.bfloat16}. {why}; set cpu_precision='auto' "
+                "(float32 on this CPU) or 'float32'")
         speed = "natively" if probe.native else "emulated: slower than float32 here"
         return Choice("bfloat16", f"fp16=True, cpu_precision='bfloat16' ({cpu}, {speed})")
     if not probe.native:

@@ -62,7 +62,12 @@ def test_forced_bfloat16_runs_where_onednn_can_and_is_refused_where_it_cannot():
     message = str(refused.value)
     assert message.startswith("cpu_precision='bfloat16': oneDNN cannot run r50 in bfloat16 "
                               "on host-b (oneDNN uses Intel AVX2)")
-    assert "set cpu_precision='auto' (float32 on this CPU) or 'float32'" in message
+    assert "bfloat16 convolutions need AVX-512; set cpu_precision='auto' (float32 on this " \
+           "CPU) or 'float32'" in message
+    with pytest.raises(PrecisionChoiceError, match="oneDNN fails on mobilefacenet's layers in "
+                                                   "bfloat16 here; set cpu_precision='auto'"):
+        cpu_precision.choose("bfloat16", "mobilefacenet", HostProbe(NATIVE, "the probe process "
+                                                                    "died by signal 11"), "c")
 
 
 def test_settings_without_a_probe():

@@ -215,6 +215,8 @@ def test_a_16_bit_run_saves_resumes_on_more_processes_exports_and_loads_in_float
     assert f"2 processes on cpu(0), backbone in {dtype} (fp16=True" in log["text"]
     exported = run(python_module("export", str(work)))
     assert exported.returncode == 0, exported.stdout[-2000:]  # parity within 1e-4
+    assert exported.stdout.startswith(f"wrote {work / 'backbone.onnx'}; onnxruntime against")
+    assert "INFO" not in exported.stdout  # MXNet's exporter says nothing
     full = config_file(tmp_path, synthetic, name="full.py", max_steps=1)
     loaded = run(train_args(full, tmp_path / "full", "--load-from", str(work)))
     assert loaded.returncode == 0, loaded.stdout[-2000:]
