@@ -35,9 +35,10 @@ else
   launch+=(-H "localhost:$NP" --oversubscribe)
 fi
 [ "$(id -u)" -eq 0 ] && launch+=(--allow-run-as-root)
-# Pass the caller's environment for the run through to every process, on every host.
+# Pass the caller's environment for the run through to every process, on every host
+# (MXNet's, Horovod's, NCCL's, OpenMP's and oneDNN's settings, e.g. DNNL_MAX_CPU_ISA).
 export CONFIG
-for name in PATH LD_LIBRARY_PATH CONFIG $(compgen -e | grep -E '^(MXNET_|HOROVOD_|NCCL_|OMP_)' || true); do
+for name in PATH LD_LIBRARY_PATH CONFIG $(compgen -e | grep -E '^(MXNET_|HOROVOD_|NCCL_|OMP_|DNNL_|ONEDNN_)' || true); do
   [ -n "${!name+set}" ] && launch+=(-x "$name")
 done
 

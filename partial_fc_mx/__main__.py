@@ -5,17 +5,24 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 import time
 import zipfile
 from pathlib import Path
 
-from .config import ConfigError, find_config, load_config
+from .config import (
+    ConfigError,
+    config_fingerprint,
+    configs_differ,
+    find_config,
+    load_config,
+)
 from .data import DataError
 from .errors import UserError
 
 PEER_REPORT_SECONDS = 3.0
-RANK_0_REPORT_SECONDS = 1.0
+RANK_0_REPORT_SECONDS = 10.0
 
 
 def report(error: Exception) -> None:
@@ -306,23 +313,29 @@ def train_command(args: argparse.Namespace) -> int:
         return 1
 
 
-def config_of(args: argparse.Namespace):
-    """The config file with its key=value overrides and --work-dir."""
+def config_of(args: argparse.Namespace) -> tuple:
+    """(the config with its key=value overrides and --work-dir, the file it came from)."""
     overrides = list(args.overrides)
     if args.work_dir:
         overrides.append(f"output={args.work_dir}")
-    return load_config(args.config, overrides)
+    found = find_config(args.config, Path.cwd(), f"config {args.config}")
+    return load_config(found, overrides), found
 
 
 def agreed_config(args: argparse.Namespace):
-    """config_of on every rank once Horovod has started: a bad config, on every rank or
-    on one host only (a file missing there), stops every rank with one message."""
+    """config_of on every rank once Horovod has started, the same on every rank: a bad
+    config, on every rank or on one host only (a file missing there), or ranks that read
+    different configs (a folder that differs between hosts), stop every rank with one
+    message."""
     from . import dist
 
     world = dist.init()
-    config = dist.run_agreed(lambda: config_of(args), "config", (UserError,), ConfigError,
-                             "cannot read the config")
-    found = find_config(args.config, Path.cwd(), "")
+    config, found = dist.run_agreed(lambda: config_of(args), "config", (UserError,),
+                                    ConfigError, "cannot read the config")
+    copies = dist.allgather_object((socket.gethostname(), str(found), config_fingerprint(config)),
+                                   name="config.copies")
+    if problem := configs_differ(copies):
+        raise dist.agreed(ConfigError(problem))
     if world.is_main and found != Path.cwd() / args.config:
         print(f"config {args.config} is not in {Path.cwd()}: using the repository's {found}")
     return config

@@ -1,29 +1,27 @@
 """backbone.onnx written beside training, never in its way.
 
-MXNet's ONNX exporter takes about 20 s for r50 on 2 CPU cores, longer for r100. Run
-inside a save on rank 0, it made every other rank wait in the next collective: on 64
-GPUs each save idled all of them. So rank 0 hands it to a separate, niced process, a
-new Python interpreter (started by fork + exec, never a fork of an MPI rank that goes
-on running), which reads the backbone-symbol.json and backbone-0000.params the save
-has just written and replaces backbone.onnx atomically (export.export_onnx).
+MXNet's ONNX exporter takes seconds to tens of seconds for r50 and r100 on a CPU.
+Run inside a save on rank 0, it made every other rank wait in the next collective:
+on 64 GPUs each save idled all of them. So rank 0 hands it to a side process
+(side_process.py: niced, ended with its rank), which reads the backbone-symbol.json
+and backbone-0000.params the save has just written and replaces backbone.onnx
+atomically (export.export_onnx).
 
 One export runs at a time. A save while one runs makes another due, which starts when
 the running one ends and exports the newest backbone then: saves in between are
 superseded, never queued. The run's last save is exported by rank 0 itself, at once:
 no step follows that an export could delay, and a process would only add its
-start-up (about 3 s); an export still running then is superseded and ended. A failed
-export is a warning in training.log; the checkpoint it comes from is safe. A run that
-stops on a signal or an error ends its export process (the previous backbone.onnx
-stays whole), and an export process whose rank dies is ended with it.
+start-up (about 3 s); an export still running then is superseded and ended. Any
+failure, of the export or of starting its process, is a warning in training.log: the
+checkpoint it comes from is safe, and rank 0 alone must never stop over it (the
+other ranks would wait for it in the next collective). A run that stops on a signal
+or an error ends its export process; the previous backbone.onnx stays whole.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -33,7 +31,6 @@ from pathlib import Path
 
 DONE = "EXPORTED "
 """The export process's last line on success, before the step it exported."""
-NICENESS = 19
 SAFE = "the checkpoint is safe (`python -m partial_fc_mx export WORK_DIR` retries)"
 
 
@@ -57,7 +54,7 @@ class BackgroundExport:
         if last:
             self.due = False
             self._end_running()
-            self._export_here(step)
+            self._export_now(step)
         elif self.process is None:
             self._start()
         else:
@@ -74,7 +71,7 @@ class BackgroundExport:
             self.due = False
 
     def wait(self) -> None:
-        """At the end of training: the running export and a due one, to the end."""
+        """Until the running export and a due one have ended (benchmarks, tests)."""
         while self.process is not None:
             self.process.wait()
             self.poll()
@@ -87,43 +84,40 @@ class BackgroundExport:
                      f"{time.time() - self._started:.1f} s; {self.work_dir / 'backbone.onnx'} "
                      "is the previous one, if any (`export` writes it)")
 
-    def _end_running(self) -> bool:
-        """Whether an export was running; ended and reaped."""
-        process, self.process = self.process, None
-        if process is None or process.poll() is not None:
-            return False
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        return True
-
-    def _export_here(self, step: int) -> None:
-        from .export import export_onnx
-
-        started = time.time()
-        try:
-            export_onnx(self.work_dir)
-        except Exception as error:  # the checkpoint is safe: say so, go on
-            self.log(f"WARNING: could not export backbone.onnx: {error!r}; {SAFE}")
-            return
-        self.log(f"wrote {self.work_dir / 'backbone.onnx'} (step {step}) in "
-                 f"{time.time() - started:.1f} s")
-
     def __enter__(self) -> BackgroundExport:
         return self
 
     def __exit__(self, *_) -> None:
         self.close()
 
+    def _end_running(self) -> bool:
+        """Whether an export was still running (now ended and reaped); one that had
+        finished is reported as poll() would."""
+        if self.process is None:
+            return False
+        if self.process.poll() is not None:
+            self._report()
+            return False
+        process, self.process = self.process, None
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        process.output.close()
+        return True
+
     def _start(self) -> None:
-        output = tempfile.TemporaryFile("w+")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", __name__, str(self.work_dir), str(os.getpid())],
-            stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1", "MXNET_CPU_WORKER_NTHREADS": "1"})
+        try:
+            output = tempfile.TemporaryFile("w+")
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", __name__, str(self.work_dir), str(os.getpid())],
+                stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+                env={**os.environ, "OMP_NUM_THREADS": "1", "MXNET_CPU_WORKER_NTHREADS": "1"})
+        except OSError as error:  # no temporary file, no process (a limit, no memory)
+            self.log(f"WARNING: could not start the export of backbone.onnx: {error}; {SAFE}")
+            return
         self.process.output = output
         self._started = time.time()
 
@@ -143,15 +137,17 @@ class BackgroundExport:
         self.log(f"WARNING: could not export backbone.onnx in the background: {said}; {SAFE}")
         return None
 
+    def _export_now(self, step: int) -> None:
+        from .export import export_onnx
 
-def die_with(parent: int) -> None:
-    """Linux: end this process when the rank that started it dies (a kill -9 of the
-    rank must not leave its export running)."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # it died before prctl took effect
-        sys.exit(1)
+        started = time.time()
+        try:
+            export_onnx(self.work_dir)
+        except Exception as error:  # the checkpoint is safe: say so, go on
+            self.log(f"WARNING: could not export backbone.onnx: {error!r}; {SAFE}")
+            return
+        self.log(f"wrote {self.work_dir / 'backbone.onnx'} (step {step}) in "
+                 f"{time.time() - started:.1f} s")
 
 
 def saved_step(work_dir: Path) -> str:
@@ -162,9 +158,11 @@ def saved_step(work_dir: Path) -> str:
         return "?"
 
 
-def export_here(work_dir: Path, parent: int) -> None:
-    die_with(parent)
-    os.nice(NICENESS)
+def export_process(work_dir: Path, parent: int) -> None:
+    """The export process itself: the newest backbone to backbone.onnx."""
+    from .side_process import become_side_process
+
+    become_side_process(parent)
     from .export import export_onnx
 
     step = saved_step(work_dir)
@@ -173,4 +171,4 @@ def export_here(work_dir: Path, parent: int) -> None:
 
 
 if __name__ == "__main__":
-    export_here(Path(sys.argv[1]), int(sys.argv[2]))
+    export_process(Path(sys.argv[1]), int(sys.argv[2]))

@@ -121,12 +121,12 @@ def agreed_precision(config: Config, ctx: mx.Context | None,
     part); a host that cannot run a forced bfloat16 adds its problem to `problems`."""
     mine = None
     if ctx is not None:
-        network = (config.network, config.embedding_size, config.dropout)
         try:
-            mine = cpu_precision.host_choice(config.cpu_precision, config.fp16,
-                                             ctx.device_type == "gpu", network)
+            mine = cpu_precision.host_choice(config, ctx.device_type == "gpu")
         except UserError as error:
             problems.append(str(error))
+        except Exception as error:  # reported, never raised alone: the others would wait
+            problems.append(f"cannot choose the backbone's precision: {error!r}")
     everyone = dist.allgather_object((socket.gethostname(), mine), name="preflight.precision")
     known = [(host, choice) for host, choice in everyone if choice is not None]
     return cpu_precision.agree(known) if len(known) == len(everyone) else None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import hashlib
 import os
 import runpy
 import types
@@ -283,8 +284,8 @@ def read_config_file(path: Path) -> dict:
     values = {}
     base = namespace.get("_base_")
     if base:
-        values.update(read_config_file(find_config(str(base), path.parent, f"_base_ = {base!r} "
-                                                                           f"in {path}")))
+        values.update(read_config_file(find_config(str(base), path.parent,
+                                                   f"_base_ = {base!r} in {path}", path)))
     for key, value in namespace.items():
         if key.startswith("_") or callable(value) or isinstance(value, types.ModuleType):
             continue
@@ -293,17 +294,41 @@ def read_config_file(path: Path) -> dict:
     return values
 
 
-def find_config(name: str, folder: Path, what: str) -> Path:
+def find_config(name: str, folder: Path, what: str, including: Path | None = None) -> Path:
     """A config named from `folder` (the current one for CONFIG, the including
     config's for `_base_`), else from the repository: `configs/ms1mv3_r50.py` and
-    `ms1mv3_r50.py` work from any folder. An absolute path is taken as it is."""
+    `ms1mv3_r50.py` work from any folder. An absolute path is taken as it is. A
+    `_base_` never names the file `including` it: a user's own orl.py may build on the
+    repository's."""
     places = list(dict.fromkeys([folder / name, CONFIGS.parent / name, CONFIGS / name]))
-    found = next((place for place in places if place.is_file()), None)
+    found = next((place for place in places if place.is_file() and not (
+        including is not None and place.samefile(including))), None)
     if found is None:
         raise ConfigError(f"{what}: no such config file (looked for "
                           f"{', '.join(str(p.absolute()) for p in places)}); give its path "
                           f"from {folder.absolute()}, or the name of one in {CONFIGS}")
     return found
+
+
+def config_fingerprint(config: Config) -> str:
+    """Every key's value, as a short digest: equal configs, equal digests."""
+    return hashlib.sha256(repr(dataclasses.asdict(config)).encode()).hexdigest()[:12]
+
+
+def configs_differ(copies: list[tuple[str, str, str]]) -> str | None:
+    """Why ranks whose (host, config file, config_fingerprint) are `copies`, in rank
+    order, cannot train together, or None: a different batch or class count would
+    make their collectives disagree, a different rate train something else."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for rank, (host, path, digest) in enumerate(copies):
+        groups.setdefault((digest, path), []).append(f"{rank} ({host})")
+    if len({digest for digest, _ in groups}) < 2:
+        return None
+    return ("the ranks read different configs: " + "; ".join(
+        f"rank(s) {', '.join(ranks)}: {path} (values {digest})"
+        for (digest, path), ranks in groups.items())
+        + ". Give every host the same config file at the same path (or an absolute path "
+        "every host sees)")
 
 
 def parse_override(text: str) -> tuple[str, object]:

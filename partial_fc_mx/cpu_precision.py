@@ -19,15 +19,17 @@ clear message where oneDNN cannot run it). A GPU config thus trains on any x86-6
 Which instructions oneDNN uses is what oneDNN itself reports (its verbose mode's isa
 line), so its DNNL_MAX_CPU_ISA cap is honoured. Whether it runs the network in
 bfloat16 is found by a forward and backward of that network on two images in a
-separate process (`probe`): a oneDNN failure there, an exception or a crash, never
-reaches a training process. The answer is cached per host (the CPU, oneDNN's
-settings, MXNet and the network's code are its key), so ranks that start together
-probe once, and later runs not at all. Every rank then takes the same precision
-(`agree`).
+separate process (`probe_here`): a oneDNN failure there, an exception or a crash,
+never reaches a training process. The answer is cached per host (the CPU, oneDNN's
+and MXNet's settings, MXNet and the code the probe runs are its key), so ranks that
+start together probe once, and later runs not at all; an answer that may not last
+(the probe was killed, ran out of time or memory) is kept for the ranks starting
+now only. Every rank then takes the same precision (`agree`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -35,19 +37,31 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import caches, durable
 from .errors import UserError
 
-PROBE_SECONDS = 900
+if TYPE_CHECKING:
+    from .config import Config
+
+PROBE_SECONDS = 300
 """The probe's time limit: r200's forward and backward on two images takes seconds."""
+PASSING_SECONDS = 600
+"""How long an answer that may not last is kept: for the ranks that start together."""
 ONEDNN_ISA_LINE = "dnnl_verbose,info,cpu,isa:"
 PROBE_RESULT = "PROBE "
-SOURCES = [Path(__file__).with_name("precision.py"), *sorted(
+SOURCES = [Path(__file__), Path(__file__).with_name("precision.py"), *sorted(
     (Path(__file__).parent / "backbones").glob("*.py"))]
 """The code a probe runs besides MXNet: a change in it probes again."""
+SETTINGS = ("DNNL_", "ONEDNN_", "MKLDNN_", "MXNET_MKLDNN_", "MXNET_ONEDNN_")
+"""Environment variables that change what oneDNN does (its ISA cap, MXNet's switch)."""
+CRASHES = (-4, -6, -7, -8, -11)
+"""SIGILL, SIGABRT, SIGBUS, SIGFPE, SIGSEGV: oneDNN failing the same way every time."""
 
 
 class PrecisionChoiceError(UserError, RuntimeError):
@@ -79,16 +93,18 @@ class Choice:
     reason: str
 
 
-def host_choice(setting: str, fp16: bool, on_gpu: bool, network: tuple) -> Choice:
-    """This host's choice for `network` = (name, embedding_size, dropout), probing
+def host_choice(config: Config, on_gpu: bool) -> Choice:
+    """This host's choice for the config's fp16, cpu_precision and network, probing
     (cached) only where the answer depends on it."""
-    if not fp16:
+    if not config.fp16:
         return Choice("float32", "fp16=False")
     if on_gpu:
         return Choice("float16", "fp16=True on a GPU")
-    if setting == "float32":
+    if config.cpu_precision == "float32":
         return Choice("float32", "fp16=True, cpu_precision='float32'")
-    return choose(setting, network[0], cached_probe(network), socket.gethostname())
+    network = (config.network, config.embedding_size, config.dropout)
+    return choose(config.cpu_precision, config.network, cached_probe(network),
+                  socket.gethostname())
 
 
 def choose(setting: str, network: str, probe: HostProbe, host: str) -> Choice:
@@ -96,12 +112,10 @@ def choose(setting: str, network: str, probe: HostProbe, host: str) -> Choice:
     cpu = f"oneDNN uses {probe.isa}"
     if setting == "bfloat16":
         if probe.bfloat16 != "ok":
-            why = ("bfloat16 convolutions need AVX-512" if "AVX-512" not in probe.isa
-                   else f"oneDNN fails on {network}'s layers in bfloat16 here")
             raise PrecisionChoiceError(
                 f"cpu_precision='bfloat16': oneDNN cannot run {network} in bfloat16 on "
-                f"{host} ({cpu}): {probe.bfloat16}. {why}; set cpu_precision='auto' "
-                "(float32 on this CPU) or 'float32'")
+                f"{host} ({cpu}): {probe.bfloat16}. {why_not(probe, network)}; set "
+                "cpu_precision='auto' (float32 on this CPU) or 'float32'")
         speed = "natively" if probe.native else "emulated: slower than float32 here"
         return Choice("bfloat16", f"fp16=True, cpu_precision='bfloat16' ({cpu}, {speed})")
     if not probe.native:
@@ -111,8 +125,19 @@ def choose(setting: str, network: str, probe: HostProbe, host: str) -> Choice:
         return Choice("float32", f"fp16=True on a CPU without native bfloat16 ({cpu}: {why})")
     if probe.bfloat16 != "ok":
         return Choice("float32", f"fp16=True, but oneDNN could not run {network} in bfloat16 "
-                                 f"({cpu}): {probe.bfloat16}")
+                                 f"({cpu}): {probe.bfloat16}; {why_not(probe, network)}")
     return Choice("bfloat16", f"fp16=True on a CPU that computes bfloat16 natively ({cpu})")
+
+
+def why_not(probe: HostProbe, network: str) -> str:
+    """What a failed probe means, and how to ask again."""
+    if "AVX2" in probe.isa or probe.isa.endswith(("AVX", "SSE4.1")):
+        cause = "bfloat16 convolutions need AVX-512"
+    elif "AVX-512" in probe.isa or "AMX" in probe.isa:
+        cause = f"oneDNN fails on {network}'s layers in bfloat16 here"
+    else:
+        cause = "the probe could not find out"
+    return (f"{cause} (the answer is kept in {cache_folder()}: delete it to probe again)")
 
 
 def agree(choices: list[tuple[str, Choice]]) -> Choice:
@@ -126,45 +151,56 @@ def agree(choices: list[tuple[str, Choice]]) -> Choice:
 
 
 # ----- the probe -----
+def cache_folder() -> Path:
+    """~/.cache/partial_fc_mx/precision, or one in the temporary folder where that one
+    cannot be written (a read-only home): the lock must work either way, or every rank
+    would probe at once."""
+    folder = caches.default_cache_dir() / "precision"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if os.access(folder, os.W_OK):
+            return folder
+    except OSError:
+        pass
+    return Path(tempfile.gettempdir()) / f"partial_fc_mx-{os.getuid()}" / "precision"
+
+
 def cached_probe(network: tuple) -> HostProbe:
     """This host's probe from the cache, or run now under a lock: ranks of a host that
     start together probe once."""
-    folder = caches.default_cache_dir() / "precision"
+    folder = cache_folder()
+    folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{probe_key(network)}.json"
-    if (found := read_probe(path)) is not None:
-        return found
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with open(folder / f"{path.name}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if (found := read_probe(path)) is not None:
-                return found
-            probe, lasting = run_probe(network)
-            if lasting:
-                durable.write_atomically(path, lambda tmp: tmp.write_text(
-                    json.dumps(asdict(probe))))
-            return probe
-    except OSError:  # no cache folder to write (a read-only home): probe, keep nothing
-        return run_probe(network)[0]
+    with open(folder / f"{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (found := read_probe(path)) is not None:
+            return found
+        probe, lasting = run_probe(network)
+        record = {**asdict(probe), "until": None if lasting else time.time() + PASSING_SECONDS}
+        with contextlib.suppress(OSError):  # a full disk: the answer holds, unkept
+            durable.write_atomically(path, lambda tmp: tmp.write_text(json.dumps(record)))
+        return probe
 
 
 def read_probe(path: Path) -> HostProbe | None:
+    """The kept answer, unless it was one for the ranks starting then only."""
     try:
-        return HostProbe(**json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError):
+        record = json.loads(path.read_text())
+        until = record.pop("until", None)
+        return None if until is not None and time.time() > until else HostProbe(**record)
+    except (OSError, ValueError, TypeError, AttributeError):
         return None
 
 
 def probe_key(network: tuple) -> str:
-    """What decides a probe's answer on a host: the CPU, oneDNN's settings, MXNet, the
-    network and the code that builds it. A home folder shared by hosts of several CPU
-    kinds keeps one answer per kind."""
+    """What decides a probe's answer on a host: the CPU, oneDNN's and MXNet's settings,
+    MXNet, the network and the code the probe runs. A home folder shared by hosts of
+    several CPU kinds keeps one answer per kind."""
     import mxnet as mx
 
     digest = hashlib.sha256(json.dumps([
         list(network), mx.__version__, cpu_identity(),
-        sorted((k, v) for k, v in os.environ.items()
-               if k.startswith(("DNNL_", "ONEDNN_", "MKLDNN_"))),
+        sorted((k, v) for k, v in os.environ.items() if k.startswith(SETTINGS)),
     ]).encode())
     for source in SOURCES:
         digest.update(source.read_bytes())
@@ -184,9 +220,10 @@ def cpu_identity() -> str:
 
 
 def run_probe(network: tuple) -> tuple[HostProbe, bool]:
-    """(the probe, whether it may be cached): a separate Python runs a small
+    """(the probe, whether its answer lasts): a separate Python runs a small
     convolution (oneDNN then names its ISA), then the network's forward and backward
-    in bfloat16. Killed from outside or out of time, it says so and is not cached."""
+    in bfloat16. An MXNet error there or a crash is oneDNN's lasting answer; a probe
+    killed from outside, out of time or out of memory says so, for now only."""
     env = {**os.environ, "DNNL_VERBOSE": "1"}
     try:
         done = subprocess.run(probe_command(network), env=env, capture_output=True, text=True,
@@ -196,17 +233,17 @@ def run_probe(network: tuple) -> tuple[HostProbe, bool]:
         return HostProbe(isa_in(output), f"the probe took more than {PROBE_SECONDS} s"), False
     isa = isa_in(done.stdout)
     results = [line for line in done.stdout.splitlines() if line.startswith(PROBE_RESULT)]
-    if results:
-        return HostProbe(isa, json.loads(results[-1][len(PROBE_RESULT):])), True
+    if done.returncode == 0 and results:
+        said = results[-1][len(PROBE_RESULT):].strip()
+        return HostProbe(isa, said), "allocate" not in said.lower()
     tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
     died = (f"the probe process died by signal {-done.returncode}" if done.returncode < 0
             else f"the probe process exited with code {done.returncode}")
-    interrupted = done.returncode in (-9, -15, -2)  # killed from outside: try again later
-    return HostProbe(isa, f"{died} ({tail})"), not interrupted
+    return HostProbe(isa, f"{died} ({tail})"), done.returncode in CRASHES
 
 
 def probe_command(network: tuple) -> list[str]:
-    return [sys.executable, "-m", __name__, json.dumps(list(network))]
+    return [sys.executable, "-m", __name__, json.dumps([*network, os.getpid()])]
 
 
 def isa_in(output: str) -> str:
@@ -215,9 +252,12 @@ def isa_in(output: str) -> str:
     return found[0] if found else "an ISA oneDNN did not name"
 
 
-def probe_here(name: str, embedding_size: int, dropout: float) -> None:
+def probe_here(name: str, embedding_size: int, dropout: float, parent: int) -> None:
     """The probe's own process: a small convolution, then the network in bfloat16 as
     training runs it (forward and backward) and as verification does (inference)."""
+    from .side_process import become_side_process
+
+    become_side_process(parent, nice=False)  # the ranks wait for it
     import mxnet as mx
 
     from .config import Config
@@ -239,7 +279,7 @@ def probe_here(name: str, embedding_size: int, dropout: float) -> None:
     except mx.base.MXNetError as error:
         lines = str(error).strip().splitlines()
         result = lines[-1] if lines else "MXNetError"
-    print(PROBE_RESULT + json.dumps(result), flush=True)
+    print(PROBE_RESULT + result, flush=True)
 
 
 if __name__ == "__main__":

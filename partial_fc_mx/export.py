@@ -71,24 +71,29 @@ def describe_backbone(work_dir: str | os.PathLike, model: str = "backbone") -> s
 
 
 def export_onnx(work_dir: str | os.PathLike) -> Path:
-    """Write work_dir/backbone.onnx (batch dimension dynamic) atomically; validate it."""
+    """Write work_dir/backbone.onnx (batch dimension dynamic) atomically; validate it.
+    It is written under this process's own name first: an `export` run by hand while
+    training exports in the background must not write into the same file."""
     work_dir = Path(work_dir)
     symbol, params = backbone_files(work_dir)
-    tmp = work_dir / ".backbone.onnx.partial"
-    mx.onnx.export_model(symbol, params,
-                         in_shapes=[(1, 3, FACE_SIZE, FACE_SIZE)], in_types=[np.float32],
-                         onnx_file_path=str(tmp), dynamic=True,
-                         dynamic_input_shapes=[(None, 3, FACE_SIZE, FACE_SIZE)])
-    model = onnx.load(str(tmp))
-    # MXNet's exporter also lists the weights as graph inputs; onnxruntime then cannot
-    # fold them as constants, and checkers see many inputs instead of one
-    weights = {init.name for init in model.graph.initializer}
-    for graph_input in [i for i in model.graph.input if i.name in weights]:
-        model.graph.input.remove(graph_input)
-    onnx.checker.check_model(model)
-    onnx.save(model, str(tmp))
-    final = work_dir / "backbone.onnx"
-    durable.replace(tmp, final)
+    tmp = work_dir / f".backbone.onnx.{os.getpid()}.partial"
+    try:
+        mx.onnx.export_model(symbol, params,
+                             in_shapes=[(1, 3, FACE_SIZE, FACE_SIZE)], in_types=[np.float32],
+                             onnx_file_path=str(tmp), dynamic=True,
+                             dynamic_input_shapes=[(None, 3, FACE_SIZE, FACE_SIZE)])
+        model = onnx.load(str(tmp))
+        # MXNet's exporter also lists the weights as graph inputs; onnxruntime then
+        # cannot fold them as constants, and checkers see many inputs instead of one
+        weights = {init.name for init in model.graph.initializer}
+        for graph_input in [i for i in model.graph.input if i.name in weights]:
+            model.graph.input.remove(graph_input)
+        onnx.checker.check_model(model)
+        onnx.save(model, str(tmp))
+        final = work_dir / "backbone.onnx"
+        durable.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)  # replaced: nothing left
     return final
 
 

@@ -102,9 +102,14 @@ class Plan:
 
 
 def backbone_dtype(config: Config, device: str) -> str:
-    """fp16 on a GPU: float16. On a CPU host whose CPU is not known here, fp16 may train
-    in bfloat16 or float32 (cpu_precision.py): planned in float32, the larger."""
-    return "float16" if config.fp16 and device == "gpu" else "float32"
+    """fp16 on a GPU: float16. On a CPU host whose CPU is not known here, fp16 trains in
+    bfloat16 or float32 (cpu_precision.py): planned in float32, the larger, unless
+    cpu_precision forces bfloat16."""
+    if not config.fp16:
+        return "float32"
+    if device == "gpu":
+        return "float16"
+    return "bfloat16" if config.cpu_precision == "bfloat16" else "float32"
 
 
 def make_plan(config: Config, world_size: int | None, *, gpu_memory: float | None = None,
@@ -193,7 +198,7 @@ def format_plan(plan: Plan) -> str:
     """The plan as the `plan` command prints it."""
     config, size = plan.config, plan.world_size
     backbone_bits = backbone_dtype(config, plan.device)
-    if config.fp16 and plan.device == "cpu":
+    if config.fp16 and plan.device == "cpu" and config.cpu_precision == "auto":
         backbone_bits += (" (fp16=True on a CPU host: bfloat16 where the CPU computes it "
                           "natively, else float32; planned in float32, the larger)")
     where = (f"{size} GPU(s) of {plan.available / GiB:.1f} GiB" if plan.device == "gpu"

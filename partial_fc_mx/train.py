@@ -228,10 +228,9 @@ def agreed_precision(config: Config, ctx: mx.Context) -> cpu_precision.Choice:
     """The backbone's compute type, the same on every rank (cpu_precision.py): each
     rank's host decides, cached, before anything is built; a forced bfloat16 that
     a host cannot run stops every rank."""
-    network = (config.network, config.embedding_size, config.dropout)
-    mine = dist.run_agreed(lambda: cpu_precision.host_choice(
-        config.cpu_precision, config.fp16, ctx.device_type == "gpu", network),
-        "precision", (UserError,), TrainingError, "cannot choose the backbone's precision")
+    mine = dist.run_agreed(lambda: cpu_precision.host_choice(config, ctx.device_type == "gpu"),
+                           "precision", (UserError,), TrainingError,
+                           "cannot choose the backbone's precision")
     return cpu_precision.agree(dist.allgather_object((socket.gethostname(), mine),
                                                      name="precision.hosts"))
 
@@ -351,7 +350,8 @@ def save(run: Run, export: bool = True, last: bool = False) -> None:
     start_time = time.time()
     path = checkpoint.save(run.work_dir, run.state, run.net, run.trainer, run.pfc,
                            run.validator, run.world, run.config.keep_checkpoints)
-    exporting = "; backbone.onnx follows in the background" if export and not last else ""
+    exporting = ("; backbone.onnx of it (or of a later save) follows in the background"
+                 if export and not last else "")
     run.log.info(f"saved checkpoint {path} in {time.time() - start_time:.1f} s{exporting}")
     if export:
         run.exports.request(run.state.step, last)

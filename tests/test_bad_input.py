@@ -20,12 +20,14 @@ def errors(output: str) -> list[str]:
     return re.findall(r"^error: (.*)$", output, flags=re.MULTILINE)
 
 
-def assert_every_rank_says(result, message: str, code: int) -> None:
-    """Every rank stopped with the error (the job's exit code), printed once."""
+def assert_stopped_saying_once(result, message: str, code: int) -> None:
+    """The job stopped with the error's exit code, the error printed once (by rank 0),
+    and no rank died of anything else (no traceback)."""
     said = errors(result.stdout)
     assert result.returncode == code, result.stdout[-3000:]
     assert len(said) == 1, result.stdout[-3000:]
     assert message in said[0], said[0]
+    assert "Traceback" not in result.stdout, result.stdout[-3000:]
 
 
 @pytest.mark.parametrize("override, message", [
@@ -44,7 +46,7 @@ def test_bad_values_are_refused_on_every_rank_before_training(tmp_path, syntheti
                                                               message):
     config = config_file(tmp_path, synthetic)
     result = mpirun(2, train_args(config, tmp_path / "work", override), timeout=120)
-    assert_every_rank_says(result, message, code=2)
+    assert_stopped_saying_once(result, message, code=2)
     assert errors(result.stdout)[0].startswith("invalid config: ")
     assert not (tmp_path / "work").exists()
 
@@ -52,7 +54,7 @@ def test_bad_values_are_refused_on_every_rank_before_training(tmp_path, syntheti
 def test_a_sample_rate_that_samples_no_center_is_refused(tmp_path, synthetic):
     config = config_file(tmp_path, synthetic, sample_rate=0.01)
     result = mpirun(2, train_args(config, tmp_path / "work"), timeout=120)
-    assert_every_rank_says(result, "sample_rate=0.01 samples 0 of the 60 class centers a "
+    assert_stopped_saying_once(result, "sample_rate=0.01 samples 0 of the 60 class centers a "
                                    "process holds (120 classes / 2 processes)", code=1)
 
 
@@ -63,7 +65,7 @@ def test_sampled_centers_one_mxnet_array_cannot_hold_are_refused_before_allocati
     config = config_file(tmp_path, synthetic, num_classes=9_000_000, embedding_size=512,
                          sample_rate=1.0)
     result = mpirun(2, train_args(config, tmp_path / "work"), timeout=120)
-    assert_every_rank_says(result, "one process scores 4,500,000 of its 4,500,000 class "
+    assert_stopped_saying_once(result, "one process scores 4,500,000 of its 4,500,000 class "
                                    "centers per step", code=1)
     assert "use at least 3 processes" in errors(result.stdout)[0]
 
@@ -87,7 +89,7 @@ def test_a_record_with_a_damaged_header_is_named_on_every_rank(tmp_path, synthet
     damage_header(data, 300)
     config = config_file(tmp_path, data, num_epoch=1, val_targets=[])
     result = mpirun(2, train_args(config, tmp_path / "work"), timeout=180)
-    assert_every_rank_says(result, f"{data / 'train.rec'}: record 300 has a damaged header "
+    assert_stopped_saying_once(result, f"{data / 'train.rec'}: record 300 has a damaged header "
                                    "(10 bytes", code=1)
 
 
@@ -98,7 +100,7 @@ def test_a_verification_set_with_too_few_pairs_stops_every_rank(tmp_path, synthe
     small.write_bytes(pickle.dumps((images[:2 * pairs], issame[:pairs])))
     config = config_file(tmp_path, synthetic, val_targets=[str(small)])
     result = mpirun(2, train_args(config, tmp_path / "work"), timeout=180)
-    assert_every_rank_says(result, f"rank 0: {small} holds {pairs} pairs; the 10-fold "
+    assert_stopped_saying_once(result, f"rank 0: {small} holds {pairs} pairs; the 10-fold "
                                    "protocol needs at least 10", code=1)
     evaluated = run(python_module("eval", "--model", str(tmp_path), "--bin", str(small)))
     assert evaluated.returncode == 2 and f"{small} holds {pairs} pairs" in evaluated.stdout

@@ -205,3 +205,24 @@ def test_a_config_named_from_another_folder_is_the_repositorys_said_once(tmp_pat
     said = re.findall(r"^error: (.*)$", missing.stdout, flags=re.MULTILINE)
     assert len(said) == 1 and said[0].startswith(
         "config configs/nowhere.py: no such config file"), missing.stdout[-3000:]
+
+
+def test_ranks_that_read_different_configs_are_stopped(tmp_path, synthetic):
+    """Rank 0's folder holds its own configs/orl.py, rank 1's does not (folders that
+    differ between hosts): rank 1 would take the repository's. One message, both files."""
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    (mine / "configs").mkdir(parents=True)
+    other.mkdir()
+    (mine / "configs" / "orl.py").write_text("_base_ = 'orl.py'\nbatch_size = 4\n")
+    args = python_module("train", "configs/orl.py", f"rec={synthetic}", "num_classes=120",
+                         "val_targets=[]", "max_steps=1")
+    result = run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-x", "PATH",
+                  "-np", "1", "-wdir", str(mine), *args, ":",
+                  "-np", "1", "-wdir", str(other), *args], timeout=300)
+    assert result.returncode == 2, result.stdout[-3000:]
+    said = re.findall(r"^error: (.*)$", result.stdout, flags=re.MULTILINE)
+    assert len(said) == 1, result.stdout[-3000:]
+    assert said[0].startswith("the ranks read different configs: rank(s) 0 (")
+    assert f"{mine / 'configs' / 'orl.py'} (values " in said[0]
+    assert "rank(s) 1 (" in said[0] and f"{REPO / 'configs' / 'orl.py'} (values " in said[0]
+    assert not (mine / "work_dirs").exists() and not (other / "work_dirs").exists()

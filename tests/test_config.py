@@ -137,6 +137,10 @@ def test_a_config_is_found_from_the_current_folder_then_in_the_repository(tmp_pa
     assert shipped.output == "work_dirs/ms1mv3_r50"  # in the current folder, as before
     write(tmp_path / "configs" / "ms1mv3_r50.py", "num_classes = 5\n")
     assert load_config("configs/ms1mv3_r50.py").num_classes == 5  # one's own comes first
+    # one's own orl.py may build on the repository's of the same name
+    write(tmp_path / "orl.py", "_base_ = 'orl.py'\nbatch_size = 4\n")
+    mine = load_config("orl.py")
+    assert mine.batch_size == 4 and mine.num_epoch == load_config(CONFIGS / "orl.py").num_epoch
 
 
 def test_base_is_found_beside_the_config_then_in_the_repositorys_configs(tmp_path):

@@ -23,6 +23,7 @@ def config(**changes) -> Config:
     ({"fp16": True, "fp16_centers": True, "center_optimizer": "adamw"}, "gpu", "float16"),
     # a CPU host's precision depends on its CPU: planned in float32, the larger
     ({"fp16": True, "optimizer": "adamw"}, "cpu", "float32"),
+    ({"fp16": True, "cpu_precision": "bfloat16"}, "cpu", "bfloat16"),  # forced
 ])
 def test_the_plan_counts_the_memory_the_preflight_estimates(changes, device, dtype):
     run_config = config(**changes)

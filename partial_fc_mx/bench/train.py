@@ -169,9 +169,6 @@ def measure_config(world: dist.World, network: str, batch: int, num_classes: int
     config.validate()
     start = time.perf_counter()
     job = train.start(config, None, None)
-    if head == "pfc":
-        result["estimate"] = estimate_run_memory(config, world.size, world.rank,
-                                                 job.precision.dtype).total
     if head == "fc":
         job.pfc = None  # free the shard first
         job.pfc = dist.run_agreed(
@@ -180,6 +177,9 @@ def measure_config(world: dist.World, network: str, batch: int, num_classes: int
         dist.broadcast_parameters({"fc_weight": job.pfc.weight})  # every rank alike
     mx.nd.waitall()
     startup = time.perf_counter() - start
+    if head == "pfc":  # for the backbone's precision, which start-up chose
+        result["estimate"] = estimate_run_memory(config, world.size, world.rank,
+                                                 job.precision.dtype).total
     batches = on_device(job.loader.epoch(0), job.ctx)
     seconds = [synchronized_seconds(lambda: train.train_step(job, next(batches), 0.01))
                for _ in range(args.warmup + args.steps)][args.warmup:]
