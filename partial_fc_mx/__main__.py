@@ -286,7 +286,7 @@ def check_command(args: argparse.Namespace) -> int:
         print(f"PROBLEM: {problem}")
         gpus_report(None, None)  # whether these GPUs could run it is known without MXNet
         return 1
-    from .check import run_check
+    from .sizing.preflight import run_check
 
     override_alone = args.config and "=" in args.config and not Path(args.config).exists()
     if override_alone or (args.config is None and (args.overrides or args.work_dir)):
@@ -360,7 +360,7 @@ def gpus_command(args: argparse.Namespace) -> int:
 def gpus_report(wheel: str | None, table: list[str] | None) -> int:
     """0: every GPU can run the build; 3: one cannot (install.sh refuses on exactly
     that); 2: a wrong argument."""
-    from . import gpu_support
+    from .hardware import gpu_support
 
     if table is not None:
         try:
@@ -407,7 +407,7 @@ PLAN_KEYS = ("num_classes", "embedding_size", "sample_rate", "batch_size", "netw
 def plan_command(args: argparse.Namespace) -> int:
     """0: the run fits (on --gpus, or on some number of GPUs); 1: it does not."""
     from .config import Config
-    from .plan import format_plan, make_plan
+    from .sizing.plan import format_plan, make_plan
 
     config = load_config(args.config) if args.config else Config()
     for key in PLAN_KEYS:
@@ -421,8 +421,8 @@ def plan_command(args: argparse.Namespace) -> int:
 
 # ----- datasets -----
 def pack_command(args: argparse.Namespace) -> int:
-    from .data.heldout import HELDOUT_BIN, pack_folder_holding_out
-    from .data.pack import pack_folder, pack_list
+    from .prep.heldout import HELDOUT_BIN, pack_folder_holding_out
+    from .prep.pack import pack_folder, pack_list
 
     named = [name.strip() for name in (args.heldout_people or "").split(",") if name.strip()]
     held = None
@@ -459,7 +459,7 @@ def pack_command(args: argparse.Namespace) -> int:
 
 
 def make_bin_command(args: argparse.Namespace) -> int:
-    from .data.verification_set import make_bin
+    from .prep.pairs import make_bin
 
     pairs = make_bin(args.pairs, args.root, args.out, args.landmarks, args.crop, args.resize)
     print(f"{args.out}: {pairs} pairs (read it with `eval --bin {args.out}` or list it in "
@@ -468,7 +468,7 @@ def make_bin_command(args: argparse.Namespace) -> int:
 
 
 def pack_orl_command(args: argparse.Namespace) -> int:
-    from .data.orl import prepare_orl
+    from .prep.orl import prepare_orl
 
     orl = prepare_orl(args.out, heldout=args.heldout, pairs=args.pairs, seed=args.seed)
     print(f"{args.out}: {orl.train.images} images of {orl.train.classes} people; "
@@ -478,7 +478,7 @@ def pack_orl_command(args: argparse.Namespace) -> int:
 
 
 def pack_synthetic_command(args: argparse.Namespace) -> int:
-    from .data.synthetic import prepare_synthetic
+    from .prep.synthetic import prepare_synthetic
 
     made = prepare_synthetic(args.out, args.classes, args.per_class, args.heldout,
                              args.pairs, args.seed, args.shared)
@@ -488,7 +488,7 @@ def pack_synthetic_command(args: argparse.Namespace) -> int:
 
 
 def inspect_command(args: argparse.Namespace) -> int:
-    from .data.inspect import format_report, inspect_dataset
+    from .prep.inspect import format_report, inspect_dataset
 
     found = inspect_dataset(args.directory, scan=args.scan)
     print(format_report(args.directory, found))
@@ -497,7 +497,7 @@ def inspect_command(args: argparse.Namespace) -> int:
 
 # ----- what training wrote -----
 def plot_command(args: argparse.Namespace) -> int:
-    from .plot import plot_work_dirs
+    from .tools.plot import plot_work_dirs
 
     for path in plot_work_dirs(args.work_dirs, args.out):
         print(f"wrote {path}")
@@ -505,7 +505,7 @@ def plot_command(args: argparse.Namespace) -> int:
 
 
 def export_command(args: argparse.Namespace) -> int:
-    from . import export
+    from .run import export
 
     path = export.export_onnx(args.work_dir)
     difference = export.parity(args.work_dir)
@@ -515,7 +515,7 @@ def export_command(args: argparse.Namespace) -> int:
 
 
 def check_onnx_command(args: argparse.Namespace) -> int:
-    from . import export
+    from .run import export
 
     checked = export.check_onnx(args.onnx, args.runs, args.max_mb, args.max_ms)
     print(f"{args.onnx}: input {checked.input_shape}, output {checked.output_shape}, "
@@ -529,8 +529,8 @@ def check_onnx_command(args: argparse.Namespace) -> int:
 def model_forward(model: str, gpu: int | None = None, name: str = "backbone"):
     """images -> embeddings of a work dir's backbone `name` (MXNet, on the CPU or GPU
     `gpu`; "backbone-best" for its best one) or of an ONNX file (onnxruntime, CPU)."""
-    from . import export
     from .evaluation.verification import mxnet_forward, onnx_forward
+    from .run import export
 
     if model.endswith(".onnx"):
         if gpu is not None:
@@ -550,7 +550,7 @@ def eval_command(args: argparse.Namespace) -> int:
 
     sets = {path: load_bin(path) for path in args.bin}  # bad files first: they are cheap
     from .evaluation.validator import BEST_MODEL
-    from .export import describe_backbone
+    from .run.export import describe_backbone
 
     model = BEST_MODEL if args.best else "backbone"
     named = not args.model.endswith(".onnx")

@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING
 from .errors import UserError
 
 if TYPE_CHECKING:
-    from .center_optimizers import CenterOptimizer
     from .data.augment import Augmentation
-    from .margins import Margin
+    from .pfc.center_optimizers import CenterOptimizer
+    from .pfc.margins import Margin
 
 
 class ConfigError(UserError, ValueError):
@@ -86,7 +86,7 @@ class Config:
     """Share of each rank's class centers scored per step (Partial FC; positives always
     are); 1: all of them, the plain margin softmax. 0.1 is the papers' choice."""
     margin: str = "combined"
-    """The margin on the target logit, a module of partial_fc_mx/margins/: "combined"
+    """The margin on the target logit, a module of partial_fc_mx/pfc/margins/: "combined"
     (margin_list) or "adaface" (margin_options m, h, t_alpha)."""
     margin_list: tuple = (1.0, 0.5, 0.0)
     """Combined margin (m1, m2, m3): s * (cos(m1 * theta + m2) - m3). ArcFace (1, 0.5, 0)."""
@@ -97,7 +97,7 @@ class Config:
     fp16_centers: bool = False
     """Store this rank's class-center shard in float16 to fit twice the classes."""
     center_optimizer: str = "sgd"
-    """The class centers' optimizer, a module of partial_fc_mx/center_optimizers/:
+    """The class centers' optimizer, a module of partial_fc_mx/pfc/center_optimizers/:
     "sgd" (with `momentum`, the insightface references') or "adamw" (per-row bias
     correction; its moments are float32 even with fp16_centers). Both use
     `weight_decay` and the learning rate lr * center_lr_scale."""
@@ -207,7 +207,7 @@ class Config:
 
     def check_world_size(self, world_size: int) -> None:
         """What only the number of processes decides; the same answer on every rank."""
-        from .centers import num_sample, tensor_size_problem
+        from .pfc.centers import num_sample, tensor_size_problem
 
         smallest_shard = self.num_classes // world_size
         if smallest_shard == 0:
@@ -230,13 +230,13 @@ class Config:
                             self.augment_blur)
 
     def margin_function(self) -> Margin:
-        from . import margins
+        from .pfc import margins
 
         return margins.build(self.margin, scale=self.scale, margin_list=self.margin_list,
                              options=self.margin_options)
 
     def centers_optimizer(self) -> CenterOptimizer:
-        from . import center_optimizers
+        from .pfc import center_optimizers
 
         return center_optimizers.build(self.center_optimizer, momentum=self.momentum,
                                        weight_decay=self.weight_decay)

@@ -16,8 +16,8 @@ from typing import TypeVar
 import horovod.mxnet as hvd
 import mxnet as mx
 
-from . import gpu_support
 from .errors import UserError
+from .hardware import gpu_support
 
 T = TypeVar("T")
 

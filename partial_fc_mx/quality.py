@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .__main__ import fraction
-from .metrics import METRICS, read_metrics
-from .plot import plot_work_dirs
+from .run.metrics import METRICS, read_metrics
+from .tools.plot import plot_work_dirs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -76,7 +76,7 @@ def split_data(work: Path, seed: int, synthetic: SyntheticSet | None = None) -> 
     if synthetic is None:
         directory = work / "data" / f"split{seed}"
         if not (directory / "orl_heldout.bin").is_file():
-            from .data.orl import prepare_orl
+            from .prep.orl import prepare_orl
 
             prepare_orl(str(directory), heldout=10, seed=seed)
         return directory
@@ -85,7 +85,7 @@ def split_data(work: Path, seed: int, synthetic: SyntheticSet | None = None) -> 
     directory = (work / "data" / f"synthetic{s.classes}x{s.per_class}{likeness}"
                  f"-heldout{s.heldout}x{s.pairs}-seed{seed}")
     if not (directory / "synthetic_heldout.bin").is_file():
-        from .data.synthetic import prepare_synthetic
+        from .prep.synthetic import prepare_synthetic
 
         prepare_synthetic(str(directory), s.classes, s.per_class, s.heldout, s.pairs, seed,
                           s.shared)

@@ -27,26 +27,27 @@ import horovod.mxnet as hvd
 import mxnet as mx
 import numpy as np
 
-from . import checkpoint, cpu_precision, dist, workdir
-from .background_export import BackgroundExport
-from .check import dataset_disagreement_across_ranks
-from .checkpoint import CheckpointError, TrainState
+from . import dist
 from .config import Config
 from .data import DataError
 from .data.device import on_device
 from .data.loader import Batch, FaceLoader, RandomLoader, in_step
 from .data.recordio import RecordDataset
-from .data.source import make_loader, open_dataset
 from .errors import UserError
 from .evaluation.baseline import eigenfaces_accuracy
 from .evaluation.validator import Validator
 from .evaluation.verification import load_bin, mxnet_forward
-from .interrupts import StopRequest, Watchdog
-from .optimizers import AdamW, OptimizerStateError
-from .partial_fc import NoTimer, PartialFC
-from .precision import LossScaler, build_backbone, clip_global_norm
-from .schedule import Plan
-from .training_log import TrainingLog
+from .pfc.partial_fc import NoTimer, PartialFC
+from .run import checkpoint, cpu_precision, workdir
+from .run.backbone_optimizer import BackboneAdamW, OptimizerStateError
+from .run.background_export import BackgroundExport
+from .run.checkpoint import CheckpointError, TrainState
+from .run.data_source import make_loader, open_dataset
+from .run.interrupts import StopRequest, Watchdog
+from .run.precision import LossScaler, build_backbone, clip_global_norm
+from .run.schedule import Schedule
+from .run.training_log import TrainingLog
+from .sizing.preflight import dataset_disagreement_across_ranks
 
 
 class TrainingError(UserError, RuntimeError):
@@ -74,7 +75,7 @@ class Run:
     trainer: mx.gluon.Trainer
     validator: Validator
     state: TrainState
-    plan: Plan
+    schedule: Schedule
     scaler: LossScaler
     log: TrainingLog
     exports: BackgroundExport
@@ -140,7 +141,7 @@ def after_step(run: Run, loss: float, lr: float, stopping: bool) -> Due:
             "without saving. The last good checkpoint is untouched: lower lr or "
             "set clip_grad, then resume with --resume-from"))
     run.log.step(state.step, epoch, loss, lr, run.scaler.scale, state.images_seen)
-    due = due_after(run.config, state, run.plan.done(state.epoch, state.images_in_epoch),
+    due = due_after(run.config, state, run.schedule.done(state.epoch, state.images_in_epoch),
                     dist.any_rank(stopping, name="stop"))
     if due.evaluate:
         evaluate(run)
@@ -160,8 +161,9 @@ def seed_step(run: Run) -> None:
 
 def learning_rate(run: Run) -> float:
     """The schedule's rate where the run stands."""
-    state, plan = run.state, run.plan
-    return plan.learning_rate(run.config.lr, plan.position(state.epoch, state.images_in_epoch))
+    state, schedule = run.state, run.schedule
+    position = schedule.position(state.epoch, state.images_in_epoch)
+    return schedule.learning_rate(run.config.lr, position)
 
 
 def finish(run: Run, trained: bool) -> None:
@@ -182,7 +184,7 @@ def batches_to_the_end(run: Run) -> Iterator[Batch]:
     """Every batch from the run's position to its end, epoch after epoch, its images on
     the training device; each epoch starts where the state stands in it (a resumed
     run: mid-epoch)."""
-    while not run.plan.done(run.state.epoch, run.state.images_in_epoch):
+    while not run.schedule.done(run.state.epoch, run.state.images_in_epoch):
         epoch = run.state.epoch
         yield from on_device(in_step(run.log.data_wait.timed(
             run.loader.epoch(epoch, run.state.images_in_epoch))), run.ctx)
@@ -209,10 +211,11 @@ def start(config: Config, resume_from: str | None, load_from: str | None) -> Run
     state, notes = restore(config, world, ctx, work_dir, net, trainer, pfc, validator,
                            resume_from, load_from)
     dist.broadcast_parameters(net.collect_params(), root_rank=0)
-    plan = Plan.of(loader.num_images, state.reference_batch, config.num_epoch,
-                   config.max_steps, config.warmup_epoch, config.lr_steps)
+    schedule = Schedule.of(loader.num_images, state.reference_batch, config.num_epoch,
+                           config.max_steps, config.warmup_epoch, config.lr_steps)
     state.advance(loader.global_batch, loader.num_images, steps=0)  # no batch left in epoch?
-    total = state.step + plan.steps_left(state.epoch, state.images_in_epoch, loader.global_batch)
+    total = state.step + schedule.steps_left(state.epoch, state.images_in_epoch,
+                                             loader.global_batch)
     log = TrainingLog(work_dir, world.is_main, total, loader.global_batch, config.frequent,
                       first_step=state.step)
     for note in [*notes, describe(config, world, ctx, precision, loader, state, total)]:
@@ -220,7 +223,7 @@ def start(config: Config, resume_from: str | None, load_from: str | None) -> Run
     scaler = LossScaler.resumed(precision.dtype != "float32",
                                 state.loss_scale if resume_from else None)
     return Run(config, world, ctx, precision, work_dir, dataset, loader, net, model, pfc, trainer,
-               validator, state, plan, scaler, log,
+               validator, state, schedule, scaler, log,
                BackgroundExport(work_dir, world.is_main, log.info))
 
 
@@ -273,7 +276,7 @@ def make_trainer(config: Config, net) -> mx.gluon.Trainer:
     """Over the float32 parameters in either precision (the 16-bit graph casts them)."""
     options = {"learning_rate": config.lr, "wd": config.weight_decay}
     if config.optimizer == "adamw":  # an instance: MXNet's registry is never touched
-        return hvd.DistributedTrainer(net.collect_params(), AdamW(**options))
+        return hvd.DistributedTrainer(net.collect_params(), BackboneAdamW(**options))
     return hvd.DistributedTrainer(net.collect_params(), "sgd",
                                   {**options, "momentum": config.momentum})
 

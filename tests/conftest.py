@@ -159,7 +159,7 @@ CLASSES = 120
 def synthetic(tmp_path_factory) -> Path:
     """120 synthetic identities x 6 images (720: a whole number of global batches of
     24 x 1, 2 or 3 processes), and 400 held-out verification pairs."""
-    from partial_fc_mx.data.synthetic import prepare_synthetic
+    from partial_fc_mx.prep.synthetic import prepare_synthetic
 
     directory = tmp_path_factory.mktemp("data") / "syn"
     prepare_synthetic(str(directory), CLASSES, per_class=6, heldout=40, pairs=200, seed=1)

@@ -26,11 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pfc_reference import AdaFace as ReferenceAdaFace  # noqa: E402
 from pfc_reference import adamw, loss_and_grads, sgd_momentum  # noqa: E402
 
-from partial_fc_mx.center_optimizers.adamw import AdamW  # noqa: E402
-from partial_fc_mx.center_optimizers.sgd import SGD  # noqa: E402
-from partial_fc_mx.margins.adaface import AdaFace  # noqa: E402
-from partial_fc_mx.partial_fc import PartialFC, PartialFCInputError  # noqa: E402
-from partial_fc_mx.rows import ComposedRows, FusedRows  # noqa: E402
+from partial_fc_mx.pfc.center_optimizers.adamw import AdamW  # noqa: E402
+from partial_fc_mx.pfc.center_optimizers.sgd import SGD  # noqa: E402
+from partial_fc_mx.pfc.margins.adaface import AdaFace  # noqa: E402
+from partial_fc_mx.pfc.partial_fc import PartialFC, PartialFCInputError  # noqa: E402
+from partial_fc_mx.pfc.rows import ComposedRows, FusedRows  # noqa: E402
 
 LR, MU, WD = 0.5, 0.9, 5e-4
 LR_ADAMW = 0.01
@@ -108,7 +108,7 @@ def run_steps(case: str, rank: int, world: int) -> dict:
     num_classes, dim = (400, 24) if sampled else (53, 24)
     # varying: 2% of a shard sampled, fewer rows than a batch's positives in the first
     # and last step, more in the middle one: the step's buffers shrink, then regrow
-    # past their first size (workspace.py)
+    # past their first size (buffers.py)
     sample_rate = {"varying": 0.02}.get(case, 0.2 if sampled else 1.0)
     batch_sizes = [4 + r for r in range(world)] if "unequal" in case else [5] * world
     batch_sizes = [8] * world if case == "varying" else batch_sizes

@@ -16,9 +16,9 @@ from pathlib import Path
 import horovod.mxnet as hvd
 import numpy as np
 
-from partial_fc_mx import center_optimizers
-from partial_fc_mx.checkpoint import center_file, load_centers
-from partial_fc_mx.partial_fc import PartialFC
+from partial_fc_mx.pfc import center_optimizers
+from partial_fc_mx.pfc.partial_fc import PartialFC
+from partial_fc_mx.run.checkpoint import center_file, load_centers
 
 
 def main() -> None:

@@ -15,11 +15,11 @@ import mxnet as mx
 import pytest
 from conftest import REPO, config_file, logged, mpirun, train_args
 
-from partial_fc_mx import checkpoint
-from partial_fc_mx.background_export import BackgroundExport
 from partial_fc_mx.config import Config
-from partial_fc_mx.export import parity
-from partial_fc_mx.precision import build_backbone
+from partial_fc_mx.run import checkpoint
+from partial_fc_mx.run.background_export import BackgroundExport
+from partial_fc_mx.run.export import parity
+from partial_fc_mx.run.precision import build_backbone
 
 
 def save_tiny_backbone(work_dir, step: int) -> None:
@@ -106,7 +106,7 @@ def test_a_run_that_stops_ends_its_export(tmp_path, lines):
 RANK = """
 import sys, time
 from pathlib import Path
-from partial_fc_mx.background_export import BackgroundExport
+from partial_fc_mx.run.background_export import BackgroundExport
 exports = BackgroundExport(Path(sys.argv[1]), True, print)
 exports.request(1)
 print("EXPORT", exports.process.pid, flush=True)

@@ -122,16 +122,16 @@ def test_a_list_with_a_label_that_is_not_a_class_id_names_the_line(tmp_path, lab
 def test_every_error_users_see_is_one_kind_printed_as_a_message(tmp_path):
     """Each concept raises its own error from its own module, all of one base: the
     command line prints the message (naming the file) and exits 2, no traceback."""
-    from partial_fc_mx.checkpoint import CheckpointError
     from partial_fc_mx.config import ConfigError
     from partial_fc_mx.data import DataError
     from partial_fc_mx.errors import UserError
-    from partial_fc_mx.export import ExportError
-    from partial_fc_mx.optimizers import OptimizerStateError
-    from partial_fc_mx.partial_fc import PartialFCInputError
-    from partial_fc_mx.precision import PrecisionError
+    from partial_fc_mx.pfc.partial_fc import PartialFCInputError
+    from partial_fc_mx.run.backbone_optimizer import OptimizerStateError
+    from partial_fc_mx.run.checkpoint import CheckpointError
+    from partial_fc_mx.run.export import ExportError
+    from partial_fc_mx.run.precision import PrecisionError
+    from partial_fc_mx.run.workdir import WorkDirError
     from partial_fc_mx.train import TrainingError
-    from partial_fc_mx.workdir import WorkDirError
 
     for error in (CheckpointError, ConfigError, DataError, ExportError, OptimizerStateError,
                   PartialFCInputError, PrecisionError, TrainingError, WorkDirError):

@@ -211,7 +211,7 @@ def test_the_memory_estimate_matches_the_resident_memory_of_training():
 DATA_PARALLEL_MATCHES_PARTIAL_FC = """
 import horovod.mxnet as hvd, mxnet as mx, numpy as np
 from partial_fc_mx.bench.train import DataParallelFC
-from partial_fc_mx.partial_fc import PartialFC
+from partial_fc_mx.pfc.partial_fc import PartialFC
 hvd.init()
 rank, world = hvd.rank(), hvd.size()
 rng = np.random.default_rng(SEED)  # the same draws on every rank
@@ -297,7 +297,7 @@ def test_train_bench_gives_a_configurations_memory_back_before_the_next(
 def test_the_start_up_figure_counts_every_array_of_the_shard(fp16_centers, expected):
     """s/GiB divides by this rank's rows (15 of 31) with their momentum, stored dtypes."""
     from partial_fc_mx.bench.pfc import shard_bytes
-    from partial_fc_mx.partial_fc import PartialFC
+    from partial_fc_mx.pfc.partial_fc import PartialFC
 
     pfc = PartialFC(31, 16, rank=1, world_size=2, sample_rate=1.0, fp16_centers=fp16_centers)
     assert shard_bytes(pfc) == expected
@@ -345,7 +345,7 @@ def test_both_benchmarks_sample_the_centers_asked_for(shard_rows):
     import argparse
 
     from partial_fc_mx.bench import shapes
-    from partial_fc_mx.centers import num_sample
+    from partial_fc_mx.pfc.centers import num_sample
 
     for wanted in (1, 3, shard_rows // 10 or 1, shard_rows):
         args = argparse.Namespace(num_sample=wanted, sample_rate=0.1)

@@ -6,16 +6,16 @@ import mxnet as mx
 import numpy as np
 import pytest
 
-from partial_fc_mx.center_optimizers.adamw import AdamW
-from partial_fc_mx.center_optimizers.sgd import SGD
-from partial_fc_mx.centers import (
+from partial_fc_mx.pfc.center_optimizers.adamw import AdamW
+from partial_fc_mx.pfc.center_optimizers.sgd import SGD
+from partial_fc_mx.pfc.centers import (
     LOGIT_MATRICES,
     ClassCenters,
     estimate_memory,
     shard_of,
     tensor_size_problem,
 )
-from partial_fc_mx.partial_fc import PartialFC
+from partial_fc_mx.pfc.partial_fc import PartialFC
 
 
 def centers(optimizer=None, dtype="float32", lazy=True, rows=50, rank=1, world=3, width=8):
@@ -77,8 +77,8 @@ def test_sgd_is_mxnets_row_sparse_update_bit_for_bit(lazy, fused, width):
 
 
 def test_the_fused_sgd_kernel_takes_float32_cpu_rows_and_refuses_a_bad_index():
-    from partial_fc_mx import kernels
-    from partial_fc_mx.center_optimizers.sgd import fused_kernel_applies
+    from partial_fc_mx.pfc import kernels
+    from partial_fc_mx.pfc.center_optimizers.sgd import fused_kernel_applies
 
     kernels.load()
     assert fused_kernel_applies(centers(SGD()).blocks[0])
@@ -123,7 +123,7 @@ def test_memory_estimate_counts_every_state():
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_memory_estimate_covers_the_buffers_an_update_keeps(optimizer, dtype):
     """The rows gathered for a step, their float32 copies and the gradient stay in
-    buffers between steps (workspace.py); the per-step estimate must hold them."""
+    buffers between steps (buffers.py); the per-step estimate must hold them."""
     subject = centers(optimizer, dtype=dtype, rows=200, rank=0, world=1)
     index = np.arange(0, 200, 4)  # 50 of 200 rows
     grad = mx.nd.ones((50, 8))
@@ -248,7 +248,7 @@ def test_blocked_state_round_trips_and_refuses_whole_shard_views():
 def test_the_gpu_copy_path_of_the_initial_centers_writes_the_same_rows(dtype, monkeypatch):
     """A GPU's blocks are filled from host chunks copied in order (no host view of
     device memory); the rows are the in-place path's, across blocks and chunks."""
-    from partial_fc_mx import centers as module
+    from partial_fc_mx.pfc import centers as module
 
     shard, width = shard_of(30_000, 1, 2), 8  # rows 15000..29999: partial random blocks
     sizes = [4000, 9000, 2000]

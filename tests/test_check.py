@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from conftest import REPO, horovodrun_gloo, mpirun, python_module, run
 
-from partial_fc_mx.data.pack import write_records
 from partial_fc_mx.data.transforms import encode_jpeg
+from partial_fc_mx.prep.pack import write_records
 
 
 def write_dataset(directory: Path, num_classes: int, per_class: int = 2) -> Path:

@@ -29,8 +29,8 @@ from conftest import (
     train_args,
 )
 
-from partial_fc_mx import checkpoint
 from partial_fc_mx.durable import file_record
+from partial_fc_mx.run import checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -387,7 +387,7 @@ def test_center_blocks_are_saved_as_one_npy_of_their_rows(tmp_path):
 
     import mxnet as mx
 
-    from partial_fc_mx.checkpoint import JoinedRows, save_rows
+    from partial_fc_mx.run.checkpoint import JoinedRows, save_rows
 
     rng = np.random.default_rng(0)
     whole = rng.normal(size=(23, 5)).astype(np.float16)

@@ -40,8 +40,8 @@ from conftest import (
 )
 
 from partial_fc_mx.config import Config, load_config
-from partial_fc_mx.data.synthetic import prepare_synthetic
-from partial_fc_mx.export import parity
+from partial_fc_mx.prep.synthetic import prepare_synthetic
+from partial_fc_mx.run.export import parity
 
 CONFIGS = sorted((REPO / "configs").glob("*.py"))
 CLASSES = 60

@@ -24,9 +24,9 @@ from conftest import (
     train_args,
 )
 
-from partial_fc_mx import cpu_precision
 from partial_fc_mx.config import Config
-from partial_fc_mx.cpu_precision import Choice, HostProbe, PrecisionChoiceError
+from partial_fc_mx.run import cpu_precision
+from partial_fc_mx.run.cpu_precision import Choice, HostProbe, PrecisionChoiceError
 
 TINY = ("tiny", 64, 0.0)
 NATIVE = "Intel AVX-512 with Intel DL Boost and bfloat16 support"

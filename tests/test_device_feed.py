@@ -52,15 +52,15 @@ def test_pinned_buffers_belong_to_the_process_gpu():
 def test_decode_threads_default_to_the_process_share_of_the_cores(monkeypatch):
     import os
 
-    from partial_fc_mx.data import source
     from partial_fc_mx.dist import World
+    from partial_fc_mx.run import data_source
 
     monkeypatch.setattr(os, "cpu_count", lambda: 64)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
-    assert source.decode_threads(3, World(0, 8, 0, 8)) == 3  # as configured
-    assert source.decode_threads(0, World(0, 8, 0, 8)) == 8  # 64 cores, 8 processes
-    assert source.decode_threads(0, World(0, 64, 0, 64)) == 2  # at least 2
+    assert data_source.decode_threads(3, World(0, 8, 0, 8)) == 3  # as configured
+    assert data_source.decode_threads(0, World(0, 8, 0, 8)) == 8  # 64 cores, 8 processes
+    assert data_source.decode_threads(0, World(0, 64, 0, 64)) == 2  # at least 2
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)))
-    assert source.decode_threads(0, World(0, 8, 0, 8)) == 4  # bound to 4 cores
+    assert data_source.decode_threads(0, World(0, 8, 0, 8)) == 4  # bound to 4 cores
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)))
-    assert source.decode_threads(0, World(0, 8, 0, 8)) == 8  # a socket shared by 4 ranks
+    assert data_source.decode_threads(0, World(0, 8, 0, 8)) == 8  # a socket shared by 4 ranks

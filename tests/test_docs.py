@@ -130,11 +130,11 @@ def test_a_renamed_flag_or_key_is_caught(line, problem):
 
 
 def test_the_configuration_page_is_generated_from_config_and_lists_every_key():
-    from partial_fc_mx.config_reference import render, sections
+    from partial_fc_mx.tools.config_reference import render, sections
 
     page = (REPO / "docs" / "configuration.md").read_text()
     assert page == render(), ("docs/configuration.md is out of date: python -m "
-                              "partial_fc_mx.config_reference > docs/configuration.md")
+                              "partial_fc_mx.tools.config_reference > docs/configuration.md")
     listed = [key for _, keys in sections() for key, *_ in keys]
     assert sorted(listed) == sorted(FIELDS)
     undocumented = [key for _, keys in sections() for key, _, _, meaning in keys if not meaning]

@@ -14,7 +14,6 @@ import pytest
 from conftest import python_module, run
 from onnx import TensorProto, helper, numpy_helper
 
-from partial_fc_mx import checkpoint
 from partial_fc_mx.backbones import get_model
 from partial_fc_mx.data.recordio import DataError
 from partial_fc_mx.data.transforms import encode_jpeg
@@ -28,7 +27,8 @@ from partial_fc_mx.evaluation.verification import (
     ten_fold_accuracy,
     verify,
 )
-from partial_fc_mx.export import (
+from partial_fc_mx.run import checkpoint
+from partial_fc_mx.run.export import (
     ExportError,
     check_onnx,
     export_onnx,

@@ -15,9 +15,15 @@ import numpy as np
 import pytest
 from conftest import BIN, REPO, mpirun_command, python_module, run
 
-from partial_fc_mx import fatbinary, gpu_support
-from partial_fc_mx.fatbinary import Fatbinary, library_fatbinaries, read_fatbinaries
-from partial_fc_mx.gpu_support import MXNET_191_WHEELS, Gpu, how_it_runs, render_table, verdict
+from partial_fc_mx.hardware import fatbinary, gpu_support
+from partial_fc_mx.hardware.fatbinary import Fatbinary, library_fatbinaries, read_fatbinaries
+from partial_fc_mx.hardware.gpu_support import (
+    MXNET_191_WHEELS,
+    Gpu,
+    how_it_runs,
+    render_table,
+    verdict,
+)
 
 H100, A100 = "NVIDIA H100 80GB HBM3=9.0", "NVIDIA A100-SXM4-40GB=8.0"
 REAL_MXNET = Path(importlib.util.find_spec("mxnet").origin).parent

@@ -13,10 +13,10 @@ import pytest
 from conftest import python_module, run
 
 from partial_fc_mx.data import DataError
-from partial_fc_mx.data.heldout import choose_people, pack_folder_holding_out
-from partial_fc_mx.data.pack import pack_folder, pack_list
 from partial_fc_mx.data.recordio import RecordDataset
 from partial_fc_mx.data.verification_set import read_verification_bin
+from partial_fc_mx.prep.heldout import choose_people, pack_folder_holding_out
+from partial_fc_mx.prep.pack import pack_folder, pack_list
 
 
 def photo_folders(root: Path, small: int, large: int, per_person: int = 3, seed: int = 0) -> Path:

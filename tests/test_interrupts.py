@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from partial_fc_mx.checkpoint import TrainState
 from partial_fc_mx.config import Config
-from partial_fc_mx.interrupts import StopRequest
+from partial_fc_mx.run.checkpoint import TrainState
+from partial_fc_mx.run.interrupts import StopRequest
 from partial_fc_mx.train import Due, due_after
 
 
@@ -30,7 +30,7 @@ def test_a_stop_request_records_the_signal_and_gives_the_handlers_back():
 
 @pytest.mark.parametrize("seconds, restarts, ends", [(1, 0, True), (3, 4, False), (0, 0, False)])
 def test_the_watchdog_ends_a_process_that_stops_restarting_it(seconds, restarts, ends):
-    code = ("import time\nfrom partial_fc_mx.interrupts import Watchdog\n"
+    code = ("import time\nfrom partial_fc_mx.run.interrupts import Watchdog\n"
             f"with Watchdog({seconds}) as dog:\n"
             f"    for _ in range({restarts}):\n"
             "        time.sleep(0.5); dog.restart()\n"
@@ -74,8 +74,8 @@ def test_a_failing_run_gives_back_its_log_signal_handlers_and_watchdog(tmp_path,
     import types
 
     from partial_fc_mx import train
-    from partial_fc_mx.background_export import BackgroundExport
-    from partial_fc_mx.training_log import TrainingLog
+    from partial_fc_mx.run.background_export import BackgroundExport
+    from partial_fc_mx.run.training_log import TrainingLog
 
     log = TrainingLog(tmp_path, enabled=True, total_steps=1, global_batch=8, frequent=1)
     run = types.SimpleNamespace(log=log, state=TrainState(),

@@ -11,8 +11,8 @@ import pytest
 from pfc_reference import AdaFace as ReferenceAdaFace
 from pfc_reference import margin_logit
 
-from partial_fc_mx.margins.adaface import AdaFace
-from partial_fc_mx.margins.combined import CombinedMargin
+from partial_fc_mx.pfc.margins.adaface import AdaFace
+from partial_fc_mx.pfc.margins.combined import CombinedMargin
 
 MARGINS = {
     "arcface": (1.0, 0.5, 0.0),

@@ -177,7 +177,7 @@ def test_a_work_dir_that_is_not_shared_is_reported_before_training(tmp_path, syn
 def test_hosts_with_different_copies_of_the_dataset_are_reported(tmp_path, synthetic, cluster):
     """Host B sees another dataset (one image fewer per class) at the same path; a
     record count includes the header and the 120 identity records."""
-    from partial_fc_mx.data.synthetic import prepare_synthetic
+    from partial_fc_mx.prep.synthetic import prepare_synthetic
 
     other = tmp_path / "other"
     prepare_synthetic(str(other), 120, per_class=5, heldout=40, pairs=200, seed=1)

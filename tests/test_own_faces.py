@@ -13,11 +13,11 @@ from conftest import python_module, run
 
 from partial_fc_mx.data import DataError
 from partial_fc_mx.data.align import ARCFACE_TEMPLATE, align_face, similarity_transform
-from partial_fc_mx.data.pack import pack_folder, pack_list
 from partial_fc_mx.data.recordio import RecordDataset
 from partial_fc_mx.data.transforms import decode_face, to_network_input
 from partial_fc_mx.evaluation import ijb
 from partial_fc_mx.evaluation.verification import load_bin
+from partial_fc_mx.prep.pack import pack_folder, pack_list
 
 
 def smooth_face(rng) -> np.ndarray:
@@ -434,7 +434,7 @@ def test_eval_ijb_from_the_command_line_with_an_onnx_backbone(tmp_path):
 
     from partial_fc_mx.backbones import get_model
     from partial_fc_mx.evaluation.verification import onnx_forward
-    from partial_fc_mx.export import export_onnx, onnx_session
+    from partial_fc_mx.run.export import export_onnx, onnx_session
 
     work = tmp_path / "work"
     work.mkdir()

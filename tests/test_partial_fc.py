@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import horovodrun_gloo, mpirun, run
 
-from partial_fc_mx.partial_fc import PartialFC
+from partial_fc_mx.pfc.partial_fc import PartialFC
 
 WORKER = ["tests/pfc_worker.py"]
 
@@ -109,8 +109,8 @@ def test_the_backward_gemms_and_the_row_projection_match_float64():
     of 7 rows over 40: the last one partial)."""
     import mxnet as mx
 
-    from partial_fc_mx.partial_fc import fully_connected_backward
-    from partial_fc_mx.rows import project_out_rows
+    from partial_fc_mx.pfc.partial_fc import fully_connected_backward
+    from partial_fc_mx.pfc.rows import project_out_rows
 
     rng = np.random.default_rng(3)
     g, x, w = (rng.standard_normal(shape).astype(np.float32)
@@ -134,7 +134,7 @@ def test_the_target_terms_add_their_entries_of_both_gemms():
     added there, also when several rows share a target column."""
     import mxnet as mx
 
-    from partial_fc_mx.partial_fc import (
+    from partial_fc_mx.pfc.partial_fc import (
         Targets,
         add_target_terms_to_centers,
         add_target_terms_to_embeddings,

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from conftest import REPO, bfloat16_runs
 
-from partial_fc_mx import checkpoint
 from partial_fc_mx.backbones import get_model
 from partial_fc_mx.config import Config
-from partial_fc_mx.export import export_onnx, load_backbone, parity
-from partial_fc_mx.precision import (
+from partial_fc_mx.run import checkpoint
+from partial_fc_mx.run.export import export_onnx, load_backbone, parity
+from partial_fc_mx.run.precision import (
     LossScaler,
     all_finite,
     build_backbone,
@@ -30,7 +30,7 @@ from partial_fc_mx.precision import (
 FINITE_CHECK = """
 import mxnet as mx, numpy as np
 from partial_fc_mx.config import Config
-from partial_fc_mx.precision import all_finite, build_backbone
+from partial_fc_mx.run.precision import all_finite, build_backbone
 for name in ("r50", "r100"):
     net, _ = build_backbone(Config(network=name, embedding_size=64), mx.cpu())
     arrays = [p.data() for p in net.collect_params().values()]

@@ -13,7 +13,7 @@ import pytest
 from partial_fc_mx import quality
 from partial_fc_mx.evaluation.verification import VerificationResult
 from partial_fc_mx.quality import read_result, run_arm, runs_table, table
-from partial_fc_mx.training_log import TrainingLog
+from partial_fc_mx.run.training_log import TrainingLog
 
 
 def write_log(work_dir, accuracy: float, seconds_per_step: float, baseline: bool = True,
@@ -22,7 +22,7 @@ def write_log(work_dir, accuracy: float, seconds_per_step: float, baseline: bool
     logged every 2, the held-out set at step 0 and at the end, the eigenfaces baseline.
     Each step takes `seconds_per_step` of a clock that moves only then."""
     clock = [1000.0]
-    with mock.patch("partial_fc_mx.training_log.time.time", lambda: clock[0]):
+    with mock.patch("partial_fc_mx.run.training_log.time.time", lambda: clock[0]):
         log = TrainingLog(work_dir, enabled=True, total_steps=4, global_batch=8, frequent=2)
         for name in sets:
             log.evaluation(name, 0, VerificationResult(0.85, 0.03, 0.5))

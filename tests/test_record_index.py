@@ -161,8 +161,8 @@ def test_a_dataset_past_2_24_images_counts_them_in_the_index(tmp_path, images):
     16,777,216 (the second one is). The index decides (the last image, then an
     identity record), and inspect says where the count came from."""
     from partial_fc_mx.bench.index import generate_dataset
-    from partial_fc_mx.data.inspect import header_summary
     from partial_fc_mx.data.recordio import RecordDataset, float32_candidates
+    from partial_fc_mx.prep.inspect import header_summary
 
     stated = float(np.float32(images + 1))
     assert stated != images + 1 and images + 1 in float32_candidates(stated)

@@ -13,13 +13,13 @@ import mxnet as mx
 import numpy as np
 import pytest
 
-from partial_fc_mx import kernels
-from partial_fc_mx.rows import ComposedRows, FusedRows
-from partial_fc_mx.workspace import Workspace
+from partial_fc_mx.pfc import kernels
+from partial_fc_mx.pfc.buffers import Buffers
+from partial_fc_mx.pfc.rows import ComposedRows, FusedRows
 
 IMPLEMENTATIONS = {
     "fused": lambda: FusedRows(threads=1),
-    "composed": lambda: ComposedRows(Workspace(mx.cpu())),
+    "composed": lambda: ComposedRows(Buffers(mx.cpu())),
 }
 
 
@@ -170,7 +170,7 @@ def test_more_threads_give_the_same_bits():
 def test_a_ranks_threads_are_mxnets_choice(monkeypatch, environment, cores, expected):
     """The kernels' OpenMP threads (and the benchmarks') are the count MXNet's own
     operators use in the process."""
-    from partial_fc_mx import threads
+    from partial_fc_mx.pfc import threads
 
     for name in ("MXNET_OMP_MAX_THREADS", "OMP_NUM_THREADS"):
         monkeypatch.delenv(name, raising=False)

@@ -7,9 +7,9 @@ import itertools
 import numpy as np
 import pytest
 
-from partial_fc_mx.centers import shard_of
-from partial_fc_mx.partial_fc import PartialFC
-from partial_fc_mx.sampling import distinct_uniform, sample_excluding
+from partial_fc_mx.pfc.centers import shard_of
+from partial_fc_mx.pfc.partial_fc import PartialFC
+from partial_fc_mx.pfc.sampling import distinct_uniform, sample_excluding
 
 # chi-square critical values at p = 0.001 (a correct sampler fails 1 run in 1000)
 CHI2_CRITICAL_0_001 = {15: 37.70, 19: 43.82, 14: 36.12}

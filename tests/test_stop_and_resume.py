@@ -12,7 +12,7 @@ from conftest import config_file, logged, mpirun, run, train_args
 
 from partial_fc_mx.data.loader import FaceLoader
 from partial_fc_mx.data.recordio import RecordDataset
-from partial_fc_mx.data.synthetic import prepare_synthetic
+from partial_fc_mx.prep.synthetic import prepare_synthetic
 
 # 720 images: 15 global batches of 24 x 2 per epoch
 

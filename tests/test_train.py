@@ -31,8 +31,8 @@ from conftest import (
 )
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from partial_fc_mx import checkpoint
-from partial_fc_mx.metrics import read_metrics
+from partial_fc_mx.run import checkpoint
+from partial_fc_mx.run.metrics import read_metrics
 
 
 def test_two_processes_learn_and_verify_better_on_unseen_identities(tmp_path, synthetic):

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from partial_fc_mx.evaluation.verification import VerificationResult
-from partial_fc_mx.metrics import human_line, read_metrics
-from partial_fc_mx.training_log import TrainingLog
+from partial_fc_mx.run.metrics import human_line, read_metrics
+from partial_fc_mx.run.training_log import TrainingLog
 
 
 def slow_batches(count: int, seconds: float):
@@ -106,7 +106,7 @@ def write_run(work_dir, losses: list[float], accuracies: dict[int, float]) -> No
 def test_plot_compares_several_runs_on_the_same_figures(tmp_path, monkeypatch):
     import matplotlib.figure
 
-    from partial_fc_mx.plot import plot_work_dirs
+    from partial_fc_mx.tools.plot import plot_work_dirs
 
     write_run(tmp_path / "plain" / "split0", [3.0, 2.0, 1.5, 1.0], {2: 0.80, 4: 0.85})
     write_run(tmp_path / "augmented" / "split0", [3.0, 2.5, 2.0, 1.8], {2: 0.82, 4: 0.90})

@@ -31,7 +31,7 @@ from pathlib import Path
 from types import ModuleType
 
 from ..errors import UserError
-from ..threads import rank_threads
+from ..pfc.threads import rank_threads
 from . import shapes
 
 REFERENCE_FILES = ("partial_fc_v2.py", "losses.py")

@@ -14,8 +14,8 @@ import mxnet as mx
 from ..config import load_config
 from ..data.loader import FaceLoader, WaitTimer
 from ..data.recordio import RecordDataset
-from ..data.synthetic import prepare_synthetic
 from ..data.transforms import FACE_SIZE
+from ..prep.synthetic import prepare_synthetic
 
 REPO = Path(__file__).resolve().parents[2]
 

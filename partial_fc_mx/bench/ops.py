@@ -7,12 +7,12 @@ import argparse
 import mxnet as mx
 import numpy as np
 
-from ..center_optimizers.sgd import SGD
-from ..centers import SPARE_CENTERS, CenterBlock, Shard
-from ..partial_fc import fully_connected_backward
-from ..rows import ComposedRows, FusedRows
-from ..threads import rank_threads
-from ..workspace import Workspace
+from ..pfc.buffers import Buffers
+from ..pfc.center_optimizers.sgd import SGD
+from ..pfc.centers import SPARE_CENTERS, CenterBlock, Shard
+from ..pfc.partial_fc import fully_connected_backward
+from ..pfc.rows import ComposedRows, FusedRows
+from ..pfc.threads import rank_threads
 from .timing import median_ms
 
 
@@ -74,7 +74,7 @@ def print_row_passes(rng, n_rows: int, n_cols: int, depth: int) -> None:
           f"centers of a {shard:,}-row shard")
     for name, rows, sgd in (
             ("fused C++ kernels (CPU; used)", FusedRows(rank_threads()), SGD()),
-            ("MXNet operators (a GPU's path)", ComposedRows(Workspace(mx.cpu())),
+            ("MXNet operators (a GPU's path)", ComposedRows(Buffers(mx.cpu())),
              SGD(fused=False))):
         times = {
             "v = w s / |w|": median_ms(lambda rows=rows: rows.scale(w, 64.0, out=v)),

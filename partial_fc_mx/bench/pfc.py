@@ -24,11 +24,12 @@ import mxnet as mx
 import numpy as np
 import psutil
 
-from .. import dist, kernels
-from ..centers import estimate_memory, shard_of
+from .. import dist
 from ..errors import UserError
-from ..partial_fc import PartialFC
-from ..threads import rank_threads
+from ..pfc import kernels
+from ..pfc.centers import estimate_memory, shard_of
+from ..pfc.partial_fc import PartialFC
+from ..pfc.threads import rank_threads
 from . import shapes
 from .timing import MiB, PeakRSS, PhaseTimer, give_back_freed_memory, synchronized_seconds
 

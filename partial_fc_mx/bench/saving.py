@@ -22,11 +22,12 @@ from pathlib import Path
 
 import mxnet as mx
 
-from .. import checkpoint, dist, train
-from ..background_export import BackgroundExport
+from .. import dist, train
 from ..config import Config
 from ..data.device import on_device
-from ..export import export_onnx
+from ..run import checkpoint
+from ..run.background_export import BackgroundExport
+from ..run.export import export_onnx
 from .timing import synchronized_seconds
 
 WAYS = ("checkpoint only", "checkpoint + export inline", "checkpoint + export in background")

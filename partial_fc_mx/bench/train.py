@@ -29,12 +29,12 @@ import horovod.mxnet as hvd
 import mxnet as mx
 
 from .. import dist, train
-from ..centers import tensor_size_problem
-from ..check import free_memory
 from ..config import CPU_PRECISIONS, Config
 from ..data.device import on_device
-from ..margins.combined import CombinedMargin
-from ..memory import estimate_run_memory
+from ..pfc.centers import tensor_size_problem
+from ..pfc.margins.combined import CombinedMargin
+from ..sizing.memory import estimate_run_memory
+from ..sizing.preflight import free_memory
 from .timing import PeakRSS, PhaseTimer, give_back_freed_memory, synchronized_seconds
 
 GiB = 2**30

@@ -337,7 +337,7 @@ def table(rows: dict[str, dict[float, float]], fars=FARS) -> str:
 
 def plot_rocs(curves: dict[str, Roc], out: Path, title: str) -> Path:
     """One PNG with every curve (TAR against log FAR)."""
-    from ..plot import pyplot
+    from .drawing import pyplot
 
     plt = pyplot()
     figure, axes = plt.subplots(figsize=(6, 4.5))

@@ -1,0 +1,151 @@
+"""The project's C++ operators for the CPU (rows.cc), built on first use and loaded into
+MXNet with its library API (`mx.library.load`), which then offers them as mx.nd.pfc_*.
+
+They are compiled on the machine that runs them, once per version of their source, the
+header and MXNet, into PARTIAL_FC_MX_KERNELS (default: ~/.cache/partial_fc_mx, or
+under XDG_CACHE_HOME): g++ is all they need, and setup-utils/install.sh installs it for
+Horovod's build anyway. Ranks that start together build once: one builds under a file
+lock while the others wait for it, and the library appears under its final name only
+when complete and on disk, so a rank never loads a half-written file, even on a folder
+that several hosts share. Every failure is a KernelBuildError that says what to do;
+training's start-up raises it on every rank together (train.start).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from ...errors import UserError
+
+SOURCE = Path(__file__).with_name("rows.cc")
+FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno",
+         "-fno-trapping-math", "-Wl,-Bsymbolic"]
+"""No -ffast-math: a NaN must stay a NaN (the step's check for non-finite losses); no
+-march=native: target_clones in rows.cc picks the vector width when it loads.
+-fno-trapping-math: no code here reads floating-point exception flags, and without it
+the compiler does not vectorize the exp's selects on CPUs without AVX-512.
+-Bsymbolic: the library API's classes bind to this library's own copy; libmxnet.so
+exports a copy built with another C++ ABI, which Horovod's import makes global (the
+library then crashed as it loaded)."""
+
+
+class KernelBuildError(UserError, RuntimeError):
+    """The C++ kernels could not be built; says what to install or where to look."""
+
+
+@functools.cache
+def load() -> None:
+    """Build (where not yet built) and load the kernels into this process, once."""
+    import mxnet as mx
+
+    library = build(mxnet_folder())
+    try:
+        mx.library.load(str(library), verbose=False)
+    except mx.base.MXNetError as error:
+        raise KernelBuildError(f"MXNet cannot load partial_fc_mx's CPU kernels from {library} "
+                               f"({last_line(str(error))}): delete that file, it is built "
+                               "again on next use (if MXNet refuses the new one too, this "
+                               "MXNet cannot load it: reinstall with setup-utils/install.sh)"
+                               ) from error
+
+
+def last_line(message: str) -> str:
+    """MXNet's error without its stack trace: the last line, where it says why."""
+    lines = message.strip().splitlines()
+    return lines[-1] if lines else "no reason given"
+
+
+def mxnet_folder() -> Path:
+    """The installed MXNet package, which ships the library API's header and source."""
+    import mxnet as mx
+
+    return Path(mx.__file__).parent
+
+
+def build(mxnet: Path) -> Path:
+    """The built library for this source and this MXNet, compiled when missing."""
+    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    if compiler is None:
+        raise KernelBuildError("partial_fc_mx's CPU kernels need a C++ compiler: install g++ "
+                               "(apt-get install g++, as setup-utils/install.sh does) or set "
+                               "CXX to one")
+    sources = [SOURCE, mxnet / "src" / "lib_api.cc"]
+    header = mxnet / "include" / "mxnet" / "lib_api.h"
+    for needed in [*sources, header]:
+        if not needed.is_file():
+            raise KernelBuildError(f"{needed} is missing: the MXNet package at {mxnet} lacks "
+                                   "its library API; reinstall it (setup-utils/install.sh)")
+    command = [compiler, *FLAGS, f"-I{mxnet / 'include'}", *map(str, sources)]
+    try:
+        folder = kernel_folder()
+    except RuntimeError as error:  # no HOME, and a uid without a passwd entry
+        raise KernelBuildError(f"no folder to build partial_fc_mx's CPU kernels in ({error}): "
+                               "set PARTIAL_FC_MX_KERNELS to a writable folder") from error
+    try:
+        library = folder / f"rows-{fingerprint(command, [*sources, header])}.so"
+        if library.is_file():
+            return library
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / f"{library.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # another rank may be building it
+            if not library.is_file():
+                compile_to(command, library)
+    except OSError as error:  # raised, like every failure here, by each rank that meets it
+        raise KernelBuildError(f"cannot build partial_fc_mx's CPU kernels in {folder}: {error}; "
+                               "set PARTIAL_FC_MX_KERNELS to a writable folder") from error
+    return library
+
+
+def kernel_folder() -> Path:
+    if folder := os.environ.get("PARTIAL_FC_MX_KERNELS"):
+        return Path(folder)
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "partial_fc_mx"
+
+
+def fingerprint(command: list[str], inputs: list[Path]) -> str:
+    """A name for the build: it changes with the sources, the header, the command, the
+    compiler's version and the machine's architecture (a home folder may be shared by
+    hosts of several), so that no stale or foreign library is ever loaded."""
+    digest = hashlib.sha256("\0".join([platform.machine(), *command]).encode())
+    version = subprocess.run([command[0], "--version"], capture_output=True, text=True)
+    digest.update(version.stdout.encode())
+    for path in inputs:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def compile_to(command: list[str], library: Path) -> None:
+    """Compile to a temporary name beside `library`, flush it to disk, then publish it
+    under its name as a hard link: readers see the whole file or none, and a library
+    another host published meanwhile (where the lock does not reach across hosts) is
+    kept, not replaced under a process that has it mapped. Readable by all, as a build
+    output in a shared folder must be."""
+    handle, partial = tempfile.mkstemp(dir=library.parent, suffix=".so.partial")
+    os.close(handle)
+    try:
+        done = subprocess.run([*command, "-o", partial], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise KernelBuildError(f"building partial_fc_mx's CPU kernels failed: "
+                                   f"{' '.join(command)}\n{done.stderr[-3000:]}")
+        os.chmod(partial, 0o755)
+        with open(partial, "rb") as built:
+            os.fsync(built.fileno())
+        try:
+            os.link(partial, library)
+        except FileExistsError:  # another host's build, already published: keep it
+            pass
+        except OSError:  # a file system without hard links (s3fs, vfat, some CIFS)
+            os.replace(partial, library)
+    finally:
+        with contextlib.suppress(FileNotFoundError):  # replaced: nothing left
+            os.unlink(partial)

@@ -1,0 +1,425 @@
+"""Partial FC: class centers sharded over the ranks, scored on a sample per step.
+
+Each rank holds a shard of the C x D class centers with their optimizer states
+(centers.py). One step, on every rank (N = the global batch, n = this rank's sampled centers):
+  1. allgather labels (with each row's rank and checks) and the embeddings: N x D;
+  2. sample: every positive class in the shard, plus uniform negatives up to n;
+  3. v = w s / |w| (n x D), logits = x_hat @ v.T (one FullyConnected), the margin on
+     the targets, in one N x n buffer that then holds the probabilities;
+  4. allreduce(max), allreduce(sum exp, target logit): the exact softmax over the
+     union of all ranks' samples, and the cross-entropy averaged over N;
+  5. gradients: all N embeddings' (summed over ranks with one allreduce, each rank
+     keeps the rows of its own), then the sampled centers', while that allreduce runs
+     (kept for `step`).
+At a global batch of 1024, a pass over the N x n matrix costs twice one over the
+n x D rows: the centers are normalized as rows (v), and each row's share of the
+global softmax enters the backward GEMMs through their N x D input and output, so
+the N x n matrix is written by the GEMM, maxed, softmaxed and read by the GEMMs, no
+more. The three GEMMs are explicit (no autograd): FullyConnected's forward and its
+backward operator, oneDNN's inner product on the CPU. What runs row by row besides
+(the scaling to v, the softmax, the gradient's projection) is rows.py's: C++ kernels
+of one pass per row on the CPU, MXNet operators elsewhere. The N x n and n x D matrices
+live in buffers kept across steps (buffers.py): a fresh array per step costs its
+page faults every step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+from dataclasses import dataclass, field
+
+import horovod.mxnet as hvd
+import mxnet as mx
+import numpy as np
+from mxnet.ndarray import register
+
+from .. import dist
+from ..errors import UserError
+from .buffers import Buffers
+from .center_optimizers import CenterOptimizer
+from .center_optimizers.sgd import SGD
+from .centers import (
+    SPARE_CENTERS,
+    ClassCenters,
+    center_dtype,
+    num_sample,
+    shard_of,
+    tensor_size_problem,
+)
+from .margins import Margin
+from .margins.combined import CombinedMargin
+from .rows import row_passes, row_sums, set_entries, spare_column
+from .sampling import sample_excluding
+
+
+class PartialFCInputError(UserError, ValueError):
+    """Bad labels or embeddings on some rank; raised identically on every rank."""
+
+
+class PartialFC:
+    """The classifier of one rank: its shard of class centers, with their optimizer.
+
+    Use it inside any MXNet training loop launched under Horovod:
+
+        pfc = PartialFC(num_classes, 512, rank=hvd.rank(), world_size=hvd.size(),
+                        ctx=ctx, sample_rate=0.1, margin=(1.0, 0.5, 0.0), scale=64.0)
+        with autograd.record():
+            embeddings = backbone(images)
+        loss, grad = pfc.forward_backward(embeddings, labels)
+        embeddings.backward(grad)            # then the backbone's optimizer step
+        pfc.step(lr)                         # the optimizer on the sampled centers
+
+    On the CPU the constructor builds (on first use) and loads the C++ kernels
+    (kernels/), which can fail on one host and not another (no compiler there): build
+    it where every rank hears of a failure on any (dist.run_agreed, as train.start
+    does), so that no rank is left waiting in the first collective.
+    """
+
+    def __init__(
+        self,
+        num_classes: int,
+        embedding_size: int,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        ctx: mx.Context | None = None,
+        sample_rate: float = 1.0,
+        margin: tuple | Margin = (1.0, 0.5, 0.0),
+        scale: float = 64.0,
+        momentum: float = 0.9,
+        weight_decay: float = 5e-4,
+        fp16_centers: bool = False,
+        seed: int = 0,
+        timer=None,
+        lazy_update: bool = True,
+        optimizer: CenterOptimizer | None = None,
+        center_block_rows: int | None = None,
+        initialize_centers: bool = True,
+    ) -> None:
+        """`margin`: (m1, m2, m3) of the combined margin with `scale`, or a margin of
+        margins/ (which has its own scale). `optimizer`: the centers'
+        (center_optimizers/); by default SGD with `momentum` and `weight_decay`.
+        `center_block_rows`: rows per stored block of the shard (default: as many as
+        one MXNet array holds; tests lower it). `initialize_centers=False` leaves
+        the rows undrawn, for a caller that loads them from a checkpoint next."""
+        if not 0 < sample_rate <= 1:
+            raise ValueError(f"sample_rate={sample_rate} must be in (0, 1]")
+        if num_classes < world_size:
+            raise ValueError(f"{num_classes} classes cannot be sharded over {world_size} ranks")
+        # the sampled rows only: the logits' size depends on the batch (Config checks both)
+        if problem := tensor_size_problem(num_classes, world_size, embedding_size, sample_rate):
+            raise ValueError(problem)
+        self.num_classes, self.embedding_size = num_classes, embedding_size
+        self.rank, self.world_size = rank, world_size
+        self.ctx = ctx or mx.cpu()
+        self.seed = seed
+        self.centers = ClassCenters(
+            shard_of(num_classes, rank, world_size), embedding_size,
+            optimizer or SGD(momentum=momentum, weight_decay=weight_decay), ctx=self.ctx,
+            dtype=center_dtype(fp16_centers), seed=seed, rank=rank,
+            lazy=lazy_update, block_rows=center_block_rows, initialize=initialize_centers)
+        self.shard = self.centers.shard
+        self.num_sample = num_sample(self.shard.count, sample_rate)
+        self.margin = CombinedMargin(*margin, scale=scale) if isinstance(margin, tuple) \
+            else margin
+        self.timer = timer or NoTimer()
+        self._pending = None  # (index, sampled weights, their gradient) until step()
+        self._last_rows = None  # shard rows sampled in the last step; None: all
+        self.buffers = Buffers(self.ctx)  # logits, both GEMM gradients, row chunks
+        self.rows = row_passes(self.ctx, self.buffers)  # fused kernels on the CPU
+
+    @property
+    def weight(self) -> mx.nd.NDArray:
+        """This rank's rows of the class centers (when they are one block)."""
+        return self.centers.weight
+
+    @property
+    def sampled_classes(self) -> np.ndarray:
+        """Global class ids this rank scored in the last step."""
+        rows = np.arange(self.shard.count) if self._last_rows is None else self._last_rows
+        return rows + self.shard.start
+
+    # ----- one step -----
+    def forward_backward(self, embeddings: mx.nd.NDArray, labels,
+                         grad_scale: float = 1.0) -> tuple:
+        """Loss over the global batch and the gradient for this rank's embeddings.
+
+        Returns (loss, grad): loss an NDArray of shape (1,), the same on every rank;
+        grad shaped and typed like `embeddings`, multiplied by `grad_scale` (the
+        loss scale of float16 training) in float32, before it is cast: scaling a
+        float16 gradient afterwards cannot bring back the values it flushed to zero.
+        """
+        with mx.autograd.pause():  # our own backward; never part of the caller's graph
+            return self._forward_backward(embeddings, labels, grad_scale)
+
+    def _forward_backward(self, embeddings: mx.nd.NDArray, labels, grad_scale: float) -> tuple:
+        with self.timer.phase("communication"):
+            batch = self._gather(embeddings, labels)
+        with self.timer.phase("sampling"):
+            index, target_col = self.sample(batch.labels)
+        with self.timer.phase("compute"):
+            x = batch.embeddings.as_in_context(self.ctx)
+            x_norm = mx.nd.norm(x, axis=1, keepdims=True)  # scaled sums: no overflow
+            x_hat = x / x_norm
+            norms = x_norm.reshape(-1)
+            self.margin.observe(norms)
+            w = self.centers.sampled_weights(index)
+            v, w_scale = self._scaled_centers(w)
+        with self.timer.phase("gemm"):
+            logits = mx.nd.FullyConnected(x_hat, v, num_hidden=v.shape[0], no_bias=True,
+                                          out=self._buffer("logits", x_hat, v))
+        with self.timer.phase("compute"):
+            targets = self._apply_margin(logits, norms, target_col)
+            # this rank's softmax, in place; with the row's max in the spare column, its
+            # entry there is exp(0) / (1 + local_sum): this rank's exp-sum, which a NaN
+            # anywhere in the row makes non-finite, where the max alone would skip it
+            local_max = self.rows.softmax_with_spare(logits)
+            prob = logits
+        with self.timer.phase("communication"):
+            row_max = hvd.allreduce(local_max, op=hvd.Max, name="pfc.max")
+        with self.timer.phase("compute"):
+            shift = mx.nd.exp(local_max - row_max)
+            with_spare = 1 / mx.nd.gather_nd(prob, spare_column(prob))
+            local_sum = (with_spare - 1) * shift
+            target_logit = mx.nd.zeros_like(row_max)
+            if targets.rows is not None:
+                target_logit[targets.rows] = targets.logits
+            sums = mx.nd.stack(local_sum, target_logit, axis=1)
+        with self.timer.phase("communication"):
+            sums = hvd.allreduce(sums, op=hvd.Sum, name="pfc.sum")
+        with self.timer.phase("compute"):
+            exp_sum, target_logit = sums[:, 0], sums[:, 1]
+            loss = (mx.nd.log(exp_sum) + row_max - target_logit).mean()
+            # d loss / d logit = prob * row_weight off the targets: the rows' weights
+            # go into the GEMMs' N x D inputs and outputs, not over the N x n matrix
+            share = with_spare * shift / exp_sum  # prob * share: the global probabilities
+            row_weight = (share / len(share)).reshape((-1, 1))
+            target_grad = self._target_gradients(prob, share, targets)
+        with self.timer.phase("gemm"):  # prob @ v and prob^T @ x_hat, oneDNN's on the CPU
+            grad_x_hat, grad_v = self._buffer("grad_x_hat", x_hat), self._buffer("grad_w", v)
+            fully_connected_backward(prob, x_hat * row_weight, v, grad_x_hat, grad_v)
+            grad_v = grad_v[:len(w)]  # the spare row's is not a center's
+        with self.timer.phase("compute"):
+            grad_x_hat = grad_x_hat * row_weight
+            if targets.rows is not None:
+                add_target_terms_to_embeddings(grad_x_hat, v, targets, target_grad)
+            grad_x = grad_x_hat - x_hat * row_sums(x_hat * grad_x_hat).reshape((-1, 1))
+            grad_x = grad_x * (grad_scale / x_norm)
+        with self.timer.phase("communication"):
+            summed = hvd.allreduce(grad_x, op=hvd.Sum, name="pfc.grad_x")
+        # Python waits for grad_x before it pushes the centers' side, which then runs
+        # while the allreduce does. Pushed earlier, the engine ran the projection and the
+        # update as soon as their inputs were ready, between grad_x's small operators, and
+        # the allreduce started 46 ms late (a CPU profile of two ranks). On a GPU the wait
+        # costs the launch of the next operator (not measured there).
+        grad_x.wait_to_read()
+        with self.timer.phase("compute"):
+            if targets.rows is not None:
+                add_target_terms_to_centers(grad_v, x_hat, targets, target_grad)
+            # v_j = w_j s / |w_j|: d loss / d w_j = s / |w_j| (dv_j less its part along
+            # w_j), in place
+            self.rows.project(grad_v, w, (w_scale / self.margin.scale) ** 2, w_scale)
+        self._pending = (index, w, grad_v)
+        mine = summed[batch.mine_start:batch.mine_stop]
+        return loss, mine.astype(embeddings.dtype, copy=False)
+
+    def step(self, lr: float) -> None:
+        """The centers' optimizer step on the rows sampled by the last forward_backward."""
+        if self._pending is None:
+            raise RuntimeError("PartialFC.step() needs a forward_backward() first")
+        index, w, grad_w = self._pending
+        self._pending = None
+        with self.timer.phase("update"):
+            self.centers.update(index, w, grad_w, lr)
+
+    # ----- the pieces -----
+    def _gather(self, embeddings: mx.nd.NDArray, labels) -> GatheredBatch:
+        """Allgather, after every rank has seen every rank's labels and checks."""
+        labels = labels.asnumpy() if isinstance(labels, mx.nd.NDArray) else np.asarray(labels)
+        labels = labels.reshape(len(labels), -1)[:, 0] if labels.ndim > 1 else labels
+        rows = embeddings.shape[0]
+        width = embeddings.shape[1] if embeddings.ndim == 2 else -1
+        as_float32 = embeddings.astype("float32", copy=False)
+        finite = np.ones(len(labels))
+        if rows == len(labels) and width > 0:  # numpy's: 0.3 ms, MXNet's 8 (CPU, 1024 rows)
+            finite = np.isfinite(as_float32.asnumpy()).all(axis=1)
+        meta = np.stack([labels.astype(np.float64), np.full(len(labels), self.rank),
+                         np.full(len(labels), rows), np.full(len(labels), width), finite], 1)
+        meta = hvd.allgather(mx.nd.array(meta, dtype="float64"), name="pfc.meta").asnumpy()
+        self._validate(meta)
+        gathered = hvd.allgather(as_float32, name="pfc.embeddings")
+        mine = np.flatnonzero(meta[:, 1] == self.rank)
+        start = int(mine[0]) if len(mine) else 0
+        return GatheredBatch(gathered, meta[:, 0].astype(np.int64), start, start + len(mine))
+
+    def _validate(self, meta: np.ndarray) -> None:
+        label, rank, rows, width, finite = meta.T
+        problems = []
+        for r in np.unique(rank).astype(int):
+            mine = rank == r
+            if rows[mine][0] != mine.sum() or width[mine][0] != self.embedding_size:
+                problems.append(f"rank {r} passed {int(rows[mine][0])} x {int(width[mine][0])} "
+                                f"embeddings with {int(mine.sum())} labels; expected "
+                                f"{int(mine.sum())} x {self.embedding_size}")
+                continue
+            bad = mine & ((label != np.floor(label)) | (label < 0) | (label >= self.num_classes))
+            if bad.any():
+                problems.append(f"rank {r} passed labels that are not integers in "
+                                f"[0, {self.num_classes}): {label[bad][:8].tolist()}")
+            nonfinite = mine & (finite == 0)
+            if nonfinite.any():
+                local_rows = np.flatnonzero(nonfinite[mine])[:8].tolist()
+                problems.append(f"rank {r} passed non-finite embeddings (NaN/Inf) in batch rows "
+                                f"{local_rows}")
+        if problems:
+            raise dist.agreed(PartialFCInputError("Partial FC input rejected: "
+                                                  + "; ".join(problems)))
+
+    def sample(self, labels: np.ndarray) -> tuple:
+        """Choose this step's centers for the global batch's `labels`.
+
+        Every positive class in the shard is kept, even when there are more than
+        num_sample of them (dropping one would corrupt that sample's loss); the rest
+        are uniform negatives drawn without replacement from this rank's own stream.
+        Returns the sorted shard rows (None: every row), and each label's column
+        among them (-1 when the class lives on another rank).
+        """
+        local = labels - self.shard.start
+        in_shard = (local >= 0) & (local < self.shard.count)
+        positives = np.unique(local[in_shard])
+        if self.num_sample >= self.shard.count:
+            index = None
+            target_col = np.where(in_shard, local, -1)
+        else:
+            wanted = max(self.num_sample - len(positives), 0)
+            negatives = sample_excluding(self.centers.rng, self.shard.count, positives, wanted)
+            index = np.sort(np.concatenate([positives, negatives]))
+            target_col = np.where(in_shard, np.searchsorted(index, local), -1)
+        self._last_rows = index
+        return index, target_col
+
+    def _buffer(self, name: str, rows: mx.nd.NDArray, cols: mx.nd.NDArray | None = None):
+        """This step's rows x cols (a matrix of rows' shape when cols is None) in a
+        buffer kept across steps (buffers.py)."""
+        shape = rows.shape if cols is None else (rows.shape[0], cols.shape[0])
+        return self.buffers.get(name, shape)
+
+    def _scaled_centers(self, w: mx.nd.NDArray) -> tuple[mx.nd.NDArray, mx.nd.NDArray]:
+        """v = w s / |w| (x_hat @ v^T is then the logits) with the spare zero row after
+        them, whose logits' column carries each row's max through the softmax; and s / |w|."""
+        v = self.buffers.get("v", (len(w) + SPARE_CENTERS, w.shape[1]))
+        w_scale = self.rows.scale(w, self.margin.scale, out=v[:len(w)])
+        v[len(w):] = 0
+        return v, w_scale
+
+    def _apply_margin(self, logits, norms, target_col: np.ndarray) -> Targets:
+        """The margin on the target logits in this shard, in place; the targets with
+        their logits and slopes."""
+        targets = Targets.of(target_col, self.ctx)
+        if targets.rows is not None:
+            cos = mx.nd.gather_nd(logits, targets.where) / self.margin.scale
+            targets.logits, targets.slopes = self.margin(cos, mx.nd.take(norms, targets.rows))
+            set_entries(logits, targets.where, targets.logits)
+        return targets
+
+    def _target_gradients(self, prob, share, targets) -> mx.nd.NDArray | None:
+        """d loss / d logit at the targets, (p - 1) * slope / s / N (p the global
+        probability, prob * share), and zero in their place in `prob`: the GEMMs then
+        see prob * row_weight everywhere, and add_target_terms_* add these."""
+        if targets.rows is None:
+            return None
+        p_target = mx.nd.gather_nd(prob, targets.where) * mx.nd.take(share, targets.rows)
+        set_entries(prob, targets.where, mx.nd.zeros_like(p_target))
+        return (p_target - 1) * targets.slopes / (self.margin.scale * len(share))
+
+
+@dataclass
+class GatheredBatch:
+    embeddings: mx.nd.NDArray
+    labels: np.ndarray
+    mine_start: int
+    mine_stop: int
+
+
+@dataclass
+class Targets:
+    """The (row, column) of every target logit that lives in this rank's sample.
+    `rounds` splits the targets into groups with distinct columns (the first target
+    of each column, then the second, ...): (their positions among the targets, their
+    columns), so that adding per column needs no scatter-add, whose atomic order
+    would vary from run to run."""
+
+    rows: mx.nd.NDArray | None
+    cols: mx.nd.NDArray | None
+    where: mx.nd.NDArray | None
+    rounds: list = field(default_factory=list)
+    logits: mx.nd.NDArray | None = None
+    slopes: mx.nd.NDArray | None = None
+
+    @classmethod
+    def of(cls, target_col: np.ndarray, ctx: mx.Context) -> Targets:
+        rows = np.flatnonzero(target_col >= 0)
+        if len(rows) == 0:
+            return cls(None, None, None)
+        cols = target_col[rows]
+        as_nd = lambda a: mx.nd.array(a, ctx=ctx, dtype="int64")  # noqa: E731
+        order = np.argsort(cols, kind="stable")
+        first = np.searchsorted(cols[order], cols[order])  # each column's first place
+        occurrence = np.empty_like(order)
+        occurrence[order] = np.arange(len(order)) - first
+        rounds = [(as_nd(np.flatnonzero(occurrence == k)), as_nd(cols[occurrence == k]))
+                  for k in range(occurrence.max() + 1)]
+        return cls(as_nd(rows), as_nd(cols), as_nd(np.stack([rows, cols])), rounds)
+
+
+def fully_connected_backward(grad_out: mx.nd.NDArray, data: mx.nd.NDArray,
+                             weight: mx.nd.NDArray, grad_data: mx.nd.NDArray,
+                             grad_weight: mx.nd.NDArray) -> None:
+    """grad_data = grad_out @ weight and grad_weight = grad_out^T @ data (float32, with
+    autograd paused by the caller), by FullyConnected's own backward operator: on the
+    CPU oneDNN's inner-product primitives, as fast as the forward (`bench ops`), where
+    `dot` and `linalg.gemm` run on the wheel's OpenBLAS, up to 5x slower on some CPUs;
+    cuBLAS on a GPU. Invoked the way MXNet's generated operators are (looked up at each
+    call, so that a wrapper such as tests/context_guard.py sees it too)."""
+    register._imperative_invoke(fully_connected_backward_op(), [grad_out, data, weight],
+                                ["num_hidden", "no_bias"], [str(weight.shape[0]), "True"],
+                                [grad_data, grad_weight], False, True)
+
+
+@functools.cache
+def fully_connected_backward_op() -> int:
+    handle = mx.base.OpHandle()
+    mx.base.check_call(mx.base._LIB.NNGetOpHandle(mx.base.c_str("_backward_FullyConnected"),
+                                                  ctypes.byref(handle)))
+    return handle.value
+
+
+def add_target_terms_to_embeddings(grad_x_hat: mx.nd.NDArray, v: mx.nd.NDArray,
+                                   targets: Targets, target_grad: mx.nd.NDArray) -> None:
+    """The target entries' part of grad_x_hat = prob @ v, left out of that GEMM
+    (target_grad_i at row i, column t_i): grad_x_hat_i += target_grad_i v_(t_i). In
+    place; T x D work."""
+    add_rows(grad_x_hat, targets.rows, mx.nd.take(v, targets.cols) * target_grad.reshape((-1, 1)))
+
+
+def add_target_terms_to_centers(grad_v: mx.nd.NDArray, x_hat: mx.nd.NDArray,
+                                targets: Targets, target_grad: mx.nd.NDArray) -> None:
+    """Their part of grad_v = prob^T @ x_hat: grad_v_t += target_grad_i x_hat_i for each
+    target i of column t, in the targets' order. In place; T x D work."""
+    for_centers = mx.nd.take(x_hat, targets.rows) * target_grad.reshape((-1, 1))
+    for positions, cols in targets.rounds:
+        add_rows(grad_v, cols, mx.nd.take(for_centers, positions))
+
+
+def add_rows(matrix: mx.nd.NDArray, rows: mx.nd.NDArray, values: mx.nd.NDArray) -> None:
+    """matrix[rows] += values, in place, for distinct rows."""
+    set_entries(matrix, rows.reshape((1, -1)), mx.nd.take(matrix, rows) + values)
+
+
+class NoTimer:
+    """The default: no synchronisation, no timing."""
+
+    def phase(self, name: str):
+        return contextlib.nullcontext()

@@ -1,0 +1,50 @@
+"""Where a run's images come from, chosen by config `rec`: an indexed RecordIO
+directory, or "random" tensors (speed runs, no files). The trainer and the
+preflight open the data through these two functions, so the preflight checks
+exactly what training will read."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from ..data.loader import FaceLoader, RandomLoader
+from ..data.recordio import RecordDataset
+
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..dist import World
+
+RANDOM = "random"
+
+
+def open_dataset(config: Config) -> RecordDataset | None:
+    """The dataset `rec` names (a DataError naming the file when it cannot be read);
+    None for random tensors."""
+    if config.rec == RANDOM:
+        return None
+    return RecordDataset(config.rec, config.num_classes)
+
+
+def make_loader(config: Config, world: World,
+                dataset: RecordDataset | None) -> FaceLoader | RandomLoader:
+    """This rank's loader over `dataset` (from open_dataset)."""
+    if dataset is None:
+        global_batch = config.batch_size * world.size
+        images = config.num_image if config.num_image >= global_batch else 1000 * global_batch
+        return RandomLoader(config.batch_size, config.num_classes, images,
+                            world_size=world.size, seed=config.seed + world.rank)
+    return FaceLoader(dataset, config.batch_size, rank=world.rank, world_size=world.size,
+                      seed=config.seed, num_workers=decode_threads(config.num_workers, world),
+                      skip_corrupt=config.skip_corrupt, augment=config.augmentation())
+
+
+def decode_threads(configured: int, world: World) -> int:
+    """`configured`, or when 0 this process's share of the host's cores, at least 2: the
+    host's cores divided among its processes, or fewer when a launcher bound the
+    process to fewer (bound to a socket, it shares that socket with other ranks)."""
+    if configured:
+        return configured
+    cores = os.cpu_count() or 2
+    mine = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
+    return max(2, min(mine, cores // max(world.local_size, 1)))
