@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .__main__ import fraction
+from .cli.arguments import fraction
 from .run.metrics import METRICS, read_metrics
 from .tools.plot import plot_work_dirs
 

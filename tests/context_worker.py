@@ -16,7 +16,7 @@ import mxnet as mx
 from context_guard import guard
 
 from partial_fc_mx import dist, train
-from partial_fc_mx.__main__ import main
+from partial_fc_mx.cli.main import main
 
 dist.device = lambda local_rank: mx.cpu(1)
 if os.environ.get("CENTERS_ON_CPU0"):

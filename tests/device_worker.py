@@ -15,7 +15,7 @@ import os
 import sys
 
 from partial_fc_mx import dist
-from partial_fc_mx.__main__ import main
+from partial_fc_mx.cli.main import main
 
 gpus = [int(count) for count in sys.argv[1].split(",")]
 rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("HOROVOD_RANK", "0")))

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from partial_fc_mx.__main__ import build_parser
 from partial_fc_mx.bench.__main__ import build_parser as build_bench_parser
+from partial_fc_mx.cli.main import build_parser
 from partial_fc_mx.config import FIELDS
 
 REPO = Path(__file__).resolve().parent.parent

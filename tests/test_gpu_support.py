@@ -283,7 +283,7 @@ def test_install_refuses_a_gpu_wheel_for_an_h100_before_installing_anything(
 def test_the_installed_build_is_named_by_the_distribution_beside_it(
         gpu_wheel_without_cuda, tmp_path):
     """Not by any mxnet-cuXXX found elsewhere on sys.path (here: the venv's CPU mxnet)."""
-    probe = ("from partial_fc_mx import gpu_support as g; print(g.mxnet_cuda_version())")
+    probe = ("from partial_fc_mx.hardware import gpu_support as g; print(g.mxnet_cuda_version())")
     cache = {"PFC_CACHE_DIR": str(tmp_path / "cache")}
     result = run([str(BIN / "python"), "-c", probe], timeout=60,
                  env={**cache, "PYTHONPATH": str(gpu_wheel_without_cuda)})

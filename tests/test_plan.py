@@ -8,8 +8,8 @@ import pytest
 from conftest import run
 
 from partial_fc_mx.config import Config, ConfigError
-from partial_fc_mx.sizing.memory import estimate_run_memory
-from partial_fc_mx.sizing.plan import GiB, format_plan, make_plan
+from partial_fc_mx.sizing.memory import GiB, estimate_run_memory
+from partial_fc_mx.sizing.plan import format_plan, make_plan
 
 
 def config(**changes) -> Config:

@@ -131,7 +131,7 @@ def test_each_vector_width_the_library_carries_passes_the_same_tests(march, tmp_
     if march == "x86-64-v3" and not {"avx2", "fma"} <= cpu_flags():
         pytest.skip("this CPU cannot run AVX2 with FMA")
     here = Path(__file__).parent
-    code = ("import sys, pytest; from partial_fc_mx import kernels; "
+    code = ("import sys, pytest; from partial_fc_mx.pfc import kernels; "
             f"kernels.FLAGS += ['-DPFC_CLONES=', '-march={march}']; "
             f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-k', "
             "'exp or softmax or nan or scale_and_projection or bit_for_bit', "
@@ -214,7 +214,7 @@ def test_ranks_that_start_together_build_once_and_a_new_source_builds_anew(tmp_p
                        "exec g++ \"$@\"\n")
     wrapper.chmod(0o755)
     env = {**os.environ, "CXX": str(wrapper), "PARTIAL_FC_MX_KERNELS": str(tmp_path / "kernels")}
-    code = ("from partial_fc_mx import kernels; "
+    code = ("from partial_fc_mx.pfc import kernels; "
             "print(kernels.build(kernels.mxnet_folder()))")
     ranks = [subprocess.Popen([sys.executable, "-c", code], env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(3)]
@@ -228,7 +228,7 @@ def test_ranks_that_start_together_build_once_and_a_new_source_builds_anew(tmp_p
 
     changed = tmp_path / "rows.cc"
     changed.write_text(kernels.SOURCE.read_text() + "\n// a change\n")
-    code = ("from pathlib import Path; from partial_fc_mx import kernels; "
+    code = ("from pathlib import Path; from partial_fc_mx.pfc import kernels; "
             f"kernels.SOURCE = Path({str(changed)!r}); "
             "print(kernels.build(kernels.mxnet_folder()))")
     done = subprocess.run([sys.executable, "-c", code], env=env, text=True, capture_output=True,

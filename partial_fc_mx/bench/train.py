@@ -33,11 +33,9 @@ from ..config import CPU_PRECISIONS, Config
 from ..data.device import on_device
 from ..pfc.centers import tensor_size_problem
 from ..pfc.margins.combined import CombinedMargin
-from ..sizing.memory import estimate_run_memory
+from ..sizing.memory import GiB, estimate_run_memory
 from ..sizing.preflight import free_memory
 from .timing import PeakRSS, PhaseTimer, give_back_freed_memory, synchronized_seconds
-
-GiB = 2**30
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -92,16 +92,13 @@ class FaceLoader:
         """This rank's record ids for `epoch` from image `start` on (steps x B)."""
         return self._record_ids(epoch, self.positions(start))
 
-    def mirror_flags(self, epoch: int, start: int = 0) -> np.ndarray:
-        """Which of this rank's images are mirrored: one random bit per position of the
-        epoch (packed, so N images cost N / 8 bytes), independent of the world size."""
-        return self._mirror_flags(epoch, self.positions(start))
-
     def _record_ids(self, epoch: int, positions: np.ndarray) -> np.ndarray:
         order = np.random.default_rng([self.seed, epoch]).permutation(self.num_images)
         return self.dataset.record_ids(order[positions])
 
     def _mirror_flags(self, epoch: int, positions: np.ndarray) -> np.ndarray:
+        """Which images at `positions` are mirrored: one random bit per position of the
+        epoch (packed, so N images cost N / 8 bytes), independent of the world size."""
         if not self.mirror:
             return np.zeros(positions.shape, bool)
         bits = np.frombuffer(np.random.default_rng([self.seed, epoch, 1]).bytes(

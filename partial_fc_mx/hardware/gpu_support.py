@@ -21,12 +21,14 @@ import importlib.metadata
 import importlib.util
 import os
 import re
+import zipfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 from ..caches import default_cache_dir
+from ..errors import UserError
 from .fatbinary import Fatbinary, library_fatbinaries, wheel_fatbinaries
 
 CUDA_ERROR_NO_DEVICE, CUDA_ERROR_STUB_LIBRARY = 100, 34
@@ -343,3 +345,26 @@ def print_lines(lines: list[Line]) -> None:
     """Problems marked as the preflight marks them."""
     for line in lines:
         print(f"PROBLEM: {line.text}" if line.problem else line.text)
+
+
+def gpus_report(wheel: str | None, table: list[str] | None) -> int:
+    """Prints which GPUs an MXNet build can run on: the installed one, a GPU wheel by
+    name, or the table of docs/installation.md from wheel files. Returns 0 when every GPU
+    can run the build, 3 when one cannot (install.sh refuses on exactly that)."""
+    if table is not None:
+        try:
+            wheels = ([wheel_from_file(Path(path)) for path in table]
+                      or list(MXNET_191_WHEELS.values()))
+        except (OSError, KeyError, ValueError, zipfile.BadZipFile) as error:
+            raise UserError(f"cannot read the wheel: {error}") from error
+        print(render_table(wheels))
+        return 0
+    if wheel is None:
+        lines = installed_report()
+    elif wheel in MXNET_191_WHEELS:
+        lines = gpu_report(f"{wheel} 1.9.1", MXNET_191_WHEELS[wheel].fatbinaries)
+    else:
+        raise UserError(f"{wheel} is not an MXNet 1.9.1 GPU wheel; choose one of "
+                        f"{', '.join(MXNET_191_WHEELS)}")
+    print_lines(lines)
+    return 3 if any(line.problem for line in lines) else 0

@@ -3,7 +3,7 @@
 On the CPU, MXNet hands every new array fresh pages from the system (its CPU
 storage has no pool, and glibc maps arrays this large with mmap), so a step that
 allocates its N x n logits and n x D rows anew page-faults through them every
-time: a third of the step's CPU time was the kernel's (docs/benchmarks.md). Each
+time: a third of the step's CPU time was the kernel's (docs/benchmarks_history.md). Each
 buffer is allocated once, at the largest size asked for, and handed out as a view
 of the shape a step needs: the sampled count varies when a batch has more positive
 classes than the sample, and the view then grows its buffer once, not every step.

@@ -20,7 +20,6 @@ import numpy as np
 
 from .buffers import INT32_ELEMENTS, Buffers
 from .center_optimizers import CenterOptimizer
-from .center_optimizers.sgd import SGD
 from .host_view import fill_threads, host_view, zeros
 
 
@@ -398,72 +397,7 @@ def sampled_per_step(shard_size: int, sample_rate: float, global_batch: int) -> 
     return min(shard_size, max(num_sample(shard_size, sample_rate), global_batch))
 
 
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Bytes one rank needs for Partial FC, apart from the backbone."""
-
-    weights: int
-    """The shard's rows, resident for the whole run."""
-    states: int
-    """Their optimizer states, resident for the whole run."""
-    sampled_rows: int
-    """Per step: the sampled rows (weights, their scaled copy v, gradient, states) in
-    float32 and the buffers they are gathered through."""
-    logits: int
-    """Per step: the N x n matrices (the logits, then the probabilities)."""
-
-    @property
-    def centers(self) -> int:
-        return self.weights + self.states
-
-    @property
-    def working(self) -> int:
-        return self.sampled_rows + self.logits
-
-    @property
-    def total(self) -> int:
-        return self.centers + self.working
-
-
 SPARE_CENTERS = 1
 """The zero row after the sampled centers in the step's arrays, whose column of the
 logits carries each row's max through the softmax (rows.spare_column). One, by
 construction, not a setting: the sizes checked and estimated count it."""
-
-LOGIT_MATRICES = 2
-"""N x n float32 matrices counted per step: the one buffer of the logits (then the
-softmax's probabilities, which the backward GEMMs read), and one more as a margin for
-MXNet's own temporaries (resident memory measured 0.96x this estimate at N = 1024,
-n = 50,000, before the scaled rows v were added to the estimate; docs/benchmarks.md)."""
-
-
-def estimate_memory(
-    num_classes: int,
-    embedding_size: int,
-    world_size: int,
-    rank: int,
-    sample_rate: float,
-    global_batch: int,
-    fp16_centers: bool = False,
-    optimizer: CenterOptimizer | None = None,
-) -> MemoryEstimate:
-    """`optimizer`: the centers' (default: SGD with momentum, one state as wide as a row)."""
-    optimizer = optimizer or SGD()
-    rows = shard_of(num_classes, rank, world_size).count
-    dtype = center_dtype(fp16_centers)
-    states = optimizer.states(embedding_size, dtype).values()
-    state_bytes = sum(width * np.dtype(state_dtype).itemsize for width, state_dtype in states)
-    sampled = sampled_per_step(rows, sample_rate, global_batch)
-    fp32 = 4
-    # float32 work copies of the sampled rows, their scaled copy (v in partial_fc.py),
-    # their gradient and states, and the buffers the rows stored in another dtype are
-    # gathered through
-    gathered = (embedding_size * np.dtype(dtype).itemsize * (dtype != "float32")
-                + sum(width * np.dtype(state_dtype).itemsize
-                      for width, state_dtype in states if state_dtype != "float32"))
-    # a shard in several blocks joins each block's float32 rows in one more buffer
-    joined = embedding_size * fp32 * (rows > rows_per_block(embedding_size))
-    sampled_rows = sampled * ((3 * embedding_size + sum(width for width, _ in states)) * fp32
-                              + gathered + joined)
-    return MemoryEstimate(rows * embedding_size * np.dtype(dtype).itemsize, rows * state_bytes,
-                          sampled_rows, LOGIT_MATRICES * global_batch * sampled * fp32)

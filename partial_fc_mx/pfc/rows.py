@@ -4,7 +4,7 @@ centers' gradient. Two implementations with one interface:
 
 - FusedRows, on the CPU: the C++ kernels of kernels/rows.cc, one pass over each row
   where the composed form makes 2-5 (at N = 1024, 50,000 sampled centers: 75 -> 19 ms
-  for the projection; docs/benchmarks.md);
+  for the projection; docs/benchmarks_history.md);
 - ComposedRows, on any device (a GPU's): MXNet operators. tests/test_rows.py holds the
   two to the same results, and the exactness tests run Partial FC with each.
 """

@@ -166,3 +166,17 @@ def check_onnx(path: str | os.PathLike, runs: int = 20, max_mb: float = 0.0,
         report.warnings.append(f"latency {report.latency_ms:.2f} ms exceeds the budget "
                                f"{max_ms} ms")
     return report
+
+
+def model_forward(model: str, gpu: int | None = None, name: str = "backbone"):
+    """images -> embeddings of a work dir's backbone `name` (MXNet, on the CPU or GPU
+    `gpu`; "backbone-best" for its best one) or of an ONNX file (onnxruntime, CPU)."""
+    if model.endswith(".onnx"):
+        if gpu is not None:
+            raise DataError("--gpu runs a work dir's MXNet backbone; an ONNX file runs on "
+                            "the CPU: give the work dir instead")
+        if name != "backbone":
+            raise DataError("--best picks a work dir's best backbone; give the work dir")
+        return onnx_forward(onnx_session(model))
+    ctx = mx.cpu() if gpu is None else mx.gpu(gpu)
+    return mxnet_forward(load_backbone(model, ctx, name), ctx)

@@ -15,9 +15,7 @@ from dataclasses import dataclass
 
 from ..config import Config, ConfigError
 from ..pfc.centers import center_dtype, sampled_per_step, shard_of
-from .memory import CLOSE, RunMemory, backbone_memory, partial_fc_memory
-
-GiB = 2**30
+from .memory import CLOSE, GiB, RunMemory, backbone_memory, partial_fc_memory
 
 MAX_WORLD_SIZE = 65536
 """The largest world size the search for the fewest GPUs tries (a few microseconds

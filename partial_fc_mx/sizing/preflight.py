@@ -29,9 +29,7 @@ from ..pfc import kernels
 from ..run import cpu_precision, workdir
 from ..run.checkpoint import CheckpointError, find_resumable
 from ..run.data_source import open_dataset
-from .memory import CLOSE, RunMemory, estimate_run_memory
-
-GiB = 1024**3
+from .memory import CLOSE, GiB, RunMemory, estimate_run_memory
 
 
 @dataclass

@@ -2,8 +2,8 @@
 MXNet with its library API (`mx.library.load`), which then offers them as mx.nd.pfc_*.
 
 They are compiled on the machine that runs them, once per version of their source, the
-header and MXNet, into PARTIAL_FC_MX_KERNELS (default: ~/.cache/partial_fc_mx, or
-under XDG_CACHE_HOME): g++ is all they need, and setup-utils/install.sh installs it for
+header and MXNet, into PARTIAL_FC_MX_KERNELS (default: the toolkit's cache folder,
+caches.default_cache_dir): g++ is all they need, and setup-utils/install.sh installs it for
 Horovod's build anyway. Ranks that start together build once: one builds under a file
 lock while the others wait for it, and the library appears under its final name only
 when complete and on disk, so a rank never loads a half-written file, even on a folder
@@ -24,6 +24,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from ...caches import default_cache_dir
 from ...errors import UserError
 
 SOURCE = Path(__file__).with_name("rows.cc")
@@ -106,10 +107,7 @@ def build(mxnet: Path) -> Path:
 
 
 def kernel_folder() -> Path:
-    if folder := os.environ.get("PARTIAL_FC_MX_KERNELS"):
-        return Path(folder)
-    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache) / "partial_fc_mx"
+    return Path(os.environ.get("PARTIAL_FC_MX_KERNELS") or default_cache_dir())
 
 
 def fingerprint(command: list[str], inputs: list[Path]) -> str:

@@ -1,0 +1,116 @@
+"""`check` (the preflight) and `train`: a config file with key=value overrides, read
+alike on every rank."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from pathlib import Path
+
+from ..config import ConfigError, config_fingerprint, configs_differ, find_config, load_config
+from ..errors import UserError
+from .messages import LAUNCHER_WORLD_SIZE, report
+
+LAUNCHER_VARIABLES = (*LAUNCHER_WORLD_SIZE, "PMIX_RANK", "SLURM_NTASKS")
+
+
+def add_commands(commands: argparse._SubParsersAction) -> None:
+    for name, summary in (
+        ("check", "preflight: build, processes, devices, data files and memory"),
+        ("train", "train a backbone with Partial FC (launch with horovodrun or mpirun)"),
+    ):
+        command = commands.add_parser(name, help=summary, description=summary)
+        command.set_defaults(func=check_command if name == "check" else train_command)
+        command.add_argument("config", nargs="?" if name == "check" else None,
+                             help="a config file, e.g. configs/orl.py" + (
+                                 " (without one, check the environment alone)"
+                                 if name == "check" else ""))
+        command.add_argument("overrides", nargs="*", metavar="key=value",
+                             help="override config keys, e.g. sample_rate=0.1 batch_size=64")
+        command.add_argument("--work-dir", help="output directory (overrides `output`)")
+        resumes = "" if name == "train" else " (the preflight checks that it verifies)"
+        command.add_argument("--resume-from", metavar="DIR",
+                             help="a checkpoint, or a work dir (its newest checkpoint that "
+                                  f"verifies): restore everything and continue{resumes}")
+        command.add_argument("--load-from", metavar="DIR",
+                             help=f"take the weights of a checkpoint, start at step 0{resumes}")
+
+
+def launched() -> bool:
+    """Whether mpirun, horovodrun or srun (PMI or PMIx) started this process."""
+    return any(name in os.environ for name in LAUNCHER_VARIABLES)
+
+
+def check_command(args: argparse.Namespace) -> int:
+    if problem := mxnet_load_problem():
+        from ..hardware.gpu_support import gpus_report
+
+        print(f"PROBLEM: {problem}")
+        gpus_report(None, None)  # whether these GPUs could run it is known without MXNet
+        return 1
+    from ..sizing.preflight import run_check
+
+    override_alone = args.config and "=" in args.config and not Path(args.config).exists()
+    if override_alone or (args.config is None and (args.overrides or args.work_dir)):
+        raise ConfigError("key=value overrides and --work-dir need a config file: "
+                          "check CONFIG key=value ...")
+    config = agreed_config(args) if args.config else None
+    return run_check(config, args.resume_from or args.load_from)
+
+
+def train_command(args: argparse.Namespace) -> int:
+    if problem := mxnet_load_problem():
+        report(problem)
+        return 1
+    from ..train import train
+
+    config = agreed_config(args)
+    if not launched():
+        sys.stderr.write("training in this one process: no launcher started it (for several, "
+                         "`horovodrun -np N -H localhost:N bash config.sh` or `bash run.sh`)\n")
+    try:
+        return train(config, args.resume_from, args.load_from)
+    except UserError as error:
+        report(error)
+        return 1
+
+
+def config_of(args: argparse.Namespace) -> tuple:
+    """(the config with its key=value overrides and --work-dir, the file it came from)."""
+    overrides = list(args.overrides)
+    if args.work_dir:
+        overrides.append(f"output={args.work_dir}")
+    found = find_config(args.config, Path.cwd(), f"config {args.config}")
+    return load_config(found, overrides), found
+
+
+def agreed_config(args: argparse.Namespace):
+    """config_of on every rank once Horovod has started, the same on every rank: a bad
+    config, on every rank or on one host only (a file missing there), or ranks that read
+    different configs (a folder that differs between hosts), stop every rank with one
+    message."""
+    from .. import dist
+
+    world = dist.init()
+    config, found = dist.run_agreed(lambda: config_of(args), "config", (UserError,),
+                                    ConfigError, "cannot read the config")
+    copies = dist.allgather_object((socket.gethostname(), str(found), config_fingerprint(config)),
+                                   name="config.copies")
+    if problem := configs_differ(copies):
+        raise dist.agreed(ConfigError(problem))
+    if world.is_main and found != Path.cwd() / args.config:
+        print(f"config {args.config} is not in {Path.cwd()}: using the repository's {found}")
+    return config
+
+
+def mxnet_load_problem() -> str | None:
+    """Why MXNet or Horovod's MXNet extension cannot load, or None: a GPU wheel without
+    its CUDA libraries raises OSError, Horovod built without MXNet an ImportError."""
+    try:
+        import horovod.mxnet  # noqa: F401
+    except (ImportError, OSError) as error:
+        return (f"{error}; run `bash setup-utils/install.sh` (it builds Horovod with MXNet "
+                "support; a GPU wheel also needs the CUDA libraries, see docs/installation.md)")
+    return None
