@@ -328,22 +328,26 @@ CRASH_LOOPS = int(os.environ.get("PFC_CRASH_LOOPS", "4"))
 the full loop (docs/tests.md)."""
 
 
-def wait_for_a_save_in_progress(work: Path, deadline: float) -> bool:
-    """True once a save is under way after at least one checkpoint is complete."""
+def wait_for_a_save_in_progress(work: Path, deadline: float) -> Path | None:
+    """The partial folder of a save under way after at least one checkpoint is
+    complete, once there is one; None at the deadline."""
     root = work / "checkpoints"
     while time.time() < deadline:
-        if checkpoint.checkpoints(work) and list(root.glob(".step_*.partial")):
-            return True
+        partial = list(root.glob(".step_*.partial"))
+        if checkpoint.checkpoints(work) and partial:
+            return partial[0]
         time.sleep(0.01)
-    return False
+    return None
 
 
 def test_kill_9_during_saves_always_leaves_a_checkpoint_that_verifies_and_resumes(tmp_path):
     """Random (not image) data with 200,000 classes, so every save writes 100 MB of
     centers; a save every step. One rank, or the whole job, is killed at a random
-    moment of a save; every checkpoint left must verify and the newest must resume."""
+    moment of a save; every checkpoint left must verify and the newest must resume. The
+    first kill follows the save's partial folder at once, so at least one save is
+    certainly cut off: the test asserts that it was, or it would not test its name."""
     rng = random.Random(0)
-    cut_off = 0  # kills that left a save unfinished (a .partial directory behind)
+    cut_off = 0  # kills that left the save they followed unfinished (never published)
     config = config_file(tmp_path, "random", num_classes=200_000, num_image=1_000_000,
                          batch_size=8, sample_rate=0.05, save_every=1, keep_checkpoints=2,
                          num_epoch=1, val_targets=[])
@@ -351,8 +355,9 @@ def test_kill_9_during_saves_always_leaves_a_checkpoint_that_verifies_and_resume
         work = tmp_path / f"work{attempt}"
         job = start(mpirun_command(2, train_args(config, work)))
         try:
-            assert wait_for_a_save_in_progress(work, time.time() + 120), "no save started"
-            time.sleep(rng.uniform(0, 0.3))
+            partial = wait_for_a_save_in_progress(work, time.time() + 120)
+            assert partial, "no save started"
+            time.sleep(0 if attempt == 0 else rng.uniform(0, 0.3))
             if attempt % 2:
                 kill_group(job)  # the whole job, launcher included
             else:
@@ -365,7 +370,8 @@ def test_kill_9_during_saves_always_leaves_a_checkpoint_that_verifies_and_resume
         while rank_pids(f"train {config} --work-dir {work}") and time.time() < deadline:
             time.sleep(0.1)
         saved = checkpoint.checkpoints(work)
-        cut_off += bool(list((work / "checkpoints").glob(".step_*.partial")))
+        published = partial.parent / partial.name.removeprefix(".").removesuffix(".partial")
+        cut_off += partial.is_dir() and published not in saved
         assert saved, f"attempt {attempt}: no checkpoint left"
         for path in saved:
             assert checkpoint.verify(path) == [], f"attempt {attempt}: {path} is damaged"
@@ -378,6 +384,7 @@ def test_kill_9_during_saves_always_leaves_a_checkpoint_that_verifies_and_resume
         assert logged(work)["steps"][-1]["step"] == checkpoint.step_of(saved[-1]) + 2
         assert not list((work / "checkpoints").glob(".step_*")), "a stale partial save is left"
     print(f"{cut_off} of {CRASH_LOOPS} kills cut a save off before its rename")
+    assert cut_off >= 1, "no kill landed in the middle of a save"
 
 
 def test_center_blocks_are_saved_as_one_npy_of_their_rows(tmp_path):

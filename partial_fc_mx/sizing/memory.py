@@ -147,18 +147,22 @@ def partial_fc_memory(config: Config, world_size: int, rank: int) -> PartialFCMe
 
 
 def backbone_memory(config: Config, dtype: str) -> BackboneMemory:
-    graph = graph_of(get_model(config.network, config.embedding_size, config.dropout))
+    """Gradients and optimizer states only for the parameters that learn: a parameter
+    without a gradient (the embedding BatchNorm's fixed scale) has neither."""
+    net = get_model(config.network, config.embedding_size, config.dropout)
+    frozen = {p.name for p in net.collect_params().values() if p.grad_req == "null"}
+    graph = graph_of(net)
     if dtype != "float32":
         graph = mixed_precision_graph(graph, dtype)
     data = (config.batch_size, 3, FACE_SIZE, FACE_SIZE)
     arguments, _, auxiliary = graph.infer_shape(data=data)
-    names = graph.list_arguments()
-    trainable = sum(int(np.prod(shape)) for name, shape in zip(names, arguments)
-                    if name != "data")
+    sizes = {name: int(np.prod(shape)) for name, shape in zip(graph.list_arguments(), arguments)
+             if name != "data"}
+    trainable = sum(size for name, size in sizes.items() if name not in frozen)
     statistics = sum(int(np.prod(shape)) for shape in auxiliary)
     states = optimizer_states(config)
-    return BackboneMemory(4 * (trainable + statistics), 4 * trainable, 4 * states * trainable,
-                          KEPT_PER_ACTIVATION * output_bytes(graph, data))
+    return BackboneMemory(4 * (sum(sizes.values()) + statistics), 4 * trainable,
+                          4 * states * trainable, KEPT_PER_ACTIVATION * output_bytes(graph, data))
 
 
 def output_bytes(graph: mx.sym.Symbol, data: tuple) -> int:

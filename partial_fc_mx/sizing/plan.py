@@ -167,8 +167,10 @@ def smallest_world_size(config: Config, backbone_bytes: int,
 
 
 def collectives(config: Config, world_size: int, gradient_bytes: int) -> list[Collective]:
-    """Every collective of one training step (partial_fc.py _forward_backward, and
-    train.py's gradient allreduce and stop flag), N = the global batch."""
+    """Every collective of one training step, in the order a rank calls them
+    (partial_fc.py _forward_backward; train.py's gradient allreduce and stop flag; the
+    loader's agreement before the next batch), N = the global batch. tests/test_plan.py
+    holds this list to the collectives a real step records."""
     n, d = config.batch_size * world_size, config.embedding_size
     return [
         Collective("labels and checks", "allgather", f"{n} x 5 float64", 8 * 5 * n),
@@ -179,6 +181,7 @@ def collectives(config: Config, world_size: int, gradient_bytes: int) -> list[Co
         Collective("backbone gradients", "allreduce",
                    f"{gradient_bytes // 4:,} float32", gradient_bytes),
         Collective("stop flag", "allreduce", "1 float64", 8),
+        Collective("data errors and ends", "allreduce", "2 float64", 16),
     ]
 
 
