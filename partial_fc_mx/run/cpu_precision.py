@@ -152,7 +152,7 @@ def agree(choices: list[tuple[str, Choice]]) -> Choice:
 
 # ----- the probe -----
 def cache_folder() -> Path:
-    """~/.cache/partial_fc_mx/run/precision, or one in the temporary folder where that one
+    """~/.cache/partial_fc_mx/precision, or one in the temporary folder where that one
     cannot be written (a read-only home): the lock must work either way, or every rank
     would probe at once."""
     folder = caches.default_cache_dir() / "precision"
