@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -217,3 +219,21 @@ def test_a_module_missing_from_the_page_is_found(toy_package, monkeypatch):
     moved = page.replace("| `low/base.py` |", "").replace("| `high.py` | |",
                                                            "| `high.py` | |\n| `low/base.py` | |")
     assert "low/base.py" in undocumented(package_files(toy_package), documented_wings(moved))
+
+
+def test_the_public_names_import_without_loading_mxnet_first():
+    """`from partial_fc_mx import PartialFC` is the stable import of docs/partial_fc_api.md;
+    `import partial_fc_mx` alone (every command line starts with it) loads no MXNet."""
+    code = ("import sys, partial_fc_mx; assert 'mxnet' not in sys.modules; "
+            "from partial_fc_mx import AdamW, PartialFC, SGD; "
+            "print(PartialFC.__module__, AdamW.__module__, SGD.__module__)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["partial_fc_mx.pfc.partial_fc",
+                                     "partial_fc_mx.pfc.center_optimizers.adamw",
+                                     "partial_fc_mx.pfc.center_optimizers.sgd"]
+    with pytest.raises(AttributeError, match="has no attribute 'Partial'"):
+        import partial_fc_mx
+
+        partial_fc_mx.Partial  # noqa: B018 (the missing name is the point)
