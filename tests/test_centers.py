@@ -10,7 +10,7 @@ from partial_fc_mx.pfc.center_optimizers.adamw import AdamW
 from partial_fc_mx.pfc.center_optimizers.sgd import SGD
 from partial_fc_mx.pfc.centers import ClassCenters, shard_of, tensor_size_problem
 from partial_fc_mx.pfc.partial_fc import PartialFC
-from partial_fc_mx.sizing.memory import LOGIT_MATRICES, estimate_memory
+from partial_fc_mx.sizing.pfc_memory import LOGIT_MATRICES, estimate_memory
 
 
 def centers(optimizer=None, dtype="float32", lazy=True, rows=50, rank=1, world=3, width=8):

@@ -30,7 +30,7 @@ from ..pfc import kernels
 from ..pfc.centers import shard_of
 from ..pfc.partial_fc import PartialFC
 from ..pfc.threads import rank_threads
-from ..sizing.memory import estimate_memory
+from ..sizing.pfc_memory import estimate_memory
 from . import shapes
 from .timing import MiB, PeakRSS, PhaseTimer, give_back_freed_memory, synchronized_seconds
 

@@ -1,6 +1,6 @@
 """One training process's memory, estimated before anything is allocated: the backbone
 (weights, gradients, optimizer states, activations at the batch) and Partial FC
-(estimate_memory). The preflight compares it with the free memory of each
+(pfc_memory.py). The preflight compares it with the free memory of each
 process's GPU, or its share of the host's RAM.
 
 The backbone's part is read from its graph: parameter shapes, and the shape and type
@@ -24,81 +24,13 @@ import numpy as np
 from ..backbones import get_model, graph_of
 from ..config import Config
 from ..data.transforms import FACE_SIZE
-from ..pfc.center_optimizers import CenterOptimizer
-from ..pfc.center_optimizers.sgd import SGD
-from ..pfc.centers import center_dtype, rows_per_block, sampled_per_step, shard_of
 from ..run.precision import mixed_precision_graph
+from .pfc_memory import PartialFCMemory, estimate_memory
 
 GiB = 2**30
 
 KEPT_PER_ACTIVATION = 2
 """Each forward output is kept for the backward, with a gradient buffer of its size."""
-
-
-@dataclass(frozen=True)
-class PartialFCMemory:
-    """Bytes one rank needs for Partial FC, apart from the backbone."""
-
-    weights: int
-    """The shard's rows, resident for the whole run."""
-    states: int
-    """Their optimizer states, resident for the whole run."""
-    sampled_rows: int
-    """Per step: the sampled rows (weights, their scaled copy v, gradient, states) in
-    float32 and the buffers they are gathered through."""
-    logits: int
-    """Per step: the N x n matrices (the logits, then the probabilities)."""
-
-    @property
-    def centers(self) -> int:
-        return self.weights + self.states
-
-    @property
-    def working(self) -> int:
-        return self.sampled_rows + self.logits
-
-    @property
-    def total(self) -> int:
-        return self.centers + self.working
-
-
-LOGIT_MATRICES = 2
-"""N x n float32 matrices counted per step: the one buffer of the logits (then the
-softmax's probabilities, which the backward GEMMs read), and one more as a margin for
-MXNet's own temporaries (resident memory measured 0.96x this estimate at N = 1024,
-n = 50,000, before the scaled rows v were added to the estimate; docs/benchmarks_history.md)."""
-
-
-def estimate_memory(
-    num_classes: int,
-    embedding_size: int,
-    world_size: int,
-    rank: int,
-    sample_rate: float,
-    global_batch: int,
-    fp16_centers: bool = False,
-    optimizer: CenterOptimizer | None = None,
-) -> PartialFCMemory:
-    """`optimizer`: the centers' (default: SGD with momentum, one state as wide as a row)."""
-    optimizer = optimizer or SGD()
-    rows = shard_of(num_classes, rank, world_size).count
-    dtype = center_dtype(fp16_centers)
-    states = optimizer.states(embedding_size, dtype).values()
-    state_bytes = sum(width * np.dtype(state_dtype).itemsize for width, state_dtype in states)
-    sampled = sampled_per_step(rows, sample_rate, global_batch)
-    fp32 = 4
-    # float32 work copies of the sampled rows, their scaled copy (v in partial_fc.py),
-    # their gradient and states, and the buffers the rows stored in another dtype are
-    # gathered through
-    gathered = (embedding_size * np.dtype(dtype).itemsize * (dtype != "float32")
-                + sum(width * np.dtype(state_dtype).itemsize
-                      for width, state_dtype in states if state_dtype != "float32"))
-    # a shard in several blocks joins each block's float32 rows in one more buffer
-    joined = embedding_size * fp32 * (rows > rows_per_block(embedding_size))
-    sampled_rows = sampled * ((3 * embedding_size + sum(width for width, _ in states)) * fp32
-                              + gathered + joined)
-    return PartialFCMemory(rows * embedding_size * np.dtype(dtype).itemsize, rows * state_bytes,
-                          sampled_rows, LOGIT_MATRICES * global_batch * sampled * fp32)
 
 
 @dataclass(frozen=True)

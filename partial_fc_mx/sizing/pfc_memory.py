@@ -1,0 +1,80 @@
+"""What Partial FC needs on one rank, apart from the backbone: its shard of the class
+centers and their optimizer states for the whole run, and per step the sampled rows
+and the N x n logits. Read by the preflight and `plan` (memory.py) and by `bench pfc`,
+which compares it with what a step holds; it needs neither a backbone nor OpenCV."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..pfc.center_optimizers import CenterOptimizer
+from ..pfc.center_optimizers.sgd import SGD
+from ..pfc.centers import center_dtype, rows_per_block, sampled_per_step, shard_of
+
+
+@dataclass(frozen=True)
+class PartialFCMemory:
+    """Bytes one rank needs for Partial FC, apart from the backbone."""
+
+    weights: int
+    """The shard's rows, resident for the whole run."""
+    states: int
+    """Their optimizer states, resident for the whole run."""
+    sampled_rows: int
+    """Per step: the sampled rows (weights, their scaled copy v, gradient, states) in
+    float32 and the buffers they are gathered through."""
+    logits: int
+    """Per step: the N x n matrices (the logits, then the probabilities)."""
+
+    @property
+    def centers(self) -> int:
+        return self.weights + self.states
+
+    @property
+    def working(self) -> int:
+        return self.sampled_rows + self.logits
+
+    @property
+    def total(self) -> int:
+        return self.centers + self.working
+
+
+LOGIT_MATRICES = 2
+"""N x n float32 matrices counted per step: the one buffer of the logits (then the
+softmax's probabilities, which the backward GEMMs read), and one more as a margin for
+MXNet's own temporaries (resident memory measured 0.96x this estimate at N = 1024,
+n = 50,000, before the scaled rows v were added to the estimate; docs/benchmarks_history.md)."""
+
+
+def estimate_memory(
+    num_classes: int,
+    embedding_size: int,
+    world_size: int,
+    rank: int,
+    sample_rate: float,
+    global_batch: int,
+    fp16_centers: bool = False,
+    optimizer: CenterOptimizer | None = None,
+) -> PartialFCMemory:
+    """`optimizer`: the centers' (default: SGD with momentum, one state as wide as a row)."""
+    optimizer = optimizer or SGD()
+    rows = shard_of(num_classes, rank, world_size).count
+    dtype = center_dtype(fp16_centers)
+    states = optimizer.states(embedding_size, dtype).values()
+    state_bytes = sum(width * np.dtype(state_dtype).itemsize for width, state_dtype in states)
+    sampled = sampled_per_step(rows, sample_rate, global_batch)
+    fp32 = 4
+    # float32 work copies of the sampled rows, their scaled copy (v in partial_fc.py),
+    # their gradient and states, and the buffers the rows stored in another dtype are
+    # gathered through
+    gathered = (embedding_size * np.dtype(dtype).itemsize * (dtype != "float32")
+                + sum(width * np.dtype(state_dtype).itemsize
+                      for width, state_dtype in states if state_dtype != "float32"))
+    # a shard in several blocks joins each block's float32 rows in one more buffer
+    joined = embedding_size * fp32 * (rows > rows_per_block(embedding_size))
+    sampled_rows = sampled * ((3 * embedding_size + sum(width for width, _ in states)) * fp32
+                              + gathered + joined)
+    return PartialFCMemory(rows * embedding_size * np.dtype(dtype).itemsize, rows * state_bytes,
+                          sampled_rows, LOGIT_MATRICES * global_batch * sampled * fp32)
