@@ -67,7 +67,8 @@ class Config:
 
     # --- model ---
     network: str = "r50"
-    """The backbone: r18, r34, r50, r100, r200 (IResNet), mobilefacenet, or tiny (tests)."""
+    """The backbone: r18, r34, r50, r100, r200 (IResNet), mobilefacenet, mbf (arcface_torch's
+    MobileFaceNet, twice as wide), or tiny (tests)."""
     embedding_size: int = 512
     """Length of the face embedding (the backbone's output, the class centers' width)."""
     dropout: float = 0.0

@@ -38,7 +38,7 @@ def assert_stopped_saying_once(result, message: str, code: int) -> None:
     ("margin_list=(0.5,0.0,0.0)", "margin (m1=0.5, m2=0.0, m3=0.0), scale=32.0: need m1 >= 1"),
     ("margin_list=(1.0,4.0,0.0)", "0 <= m2 < pi"),
     ("max_steps=-1", "max_steps must be >= 0 (got -1)"),
-    ("network='r999'", "network: unknown network 'r999'; choose one of mobilefacenet, r100"),
+    ("network='r999'", "network: unknown network 'r999'; choose one of mbf, mobilefacenet, r100"),
     ("lr=1e39", "lr=1e+39 is beyond float32"),
     ("lr_steps=[0]", "lr_steps=[0] must be positive step counts"),
 ])

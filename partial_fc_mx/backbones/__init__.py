@@ -1,4 +1,7 @@
-"""Backbones by name: iresnet18/34/50/100/200 (r18 ... r200), mobilefacenet, tiny."""
+"""Backbones by name: iresnet18/34/50/100/200 (r18 ... r200), mobilefacenet, mbf, tiny.
+
+The names arcface_torch's `get_model` knows (r18 ... r200, mbf) build its layers with
+the same parameter shapes."""
 
 from __future__ import annotations
 
@@ -8,7 +11,10 @@ from mxnet.gluon import HybridBlock
 from .iresnet import DEPTHS, IResNet
 from .mobilefacenet import MobileFaceNet
 
-NAMES = sorted([*DEPTHS, "mobilefacenet", "tiny"])
+MOBILEFACENET_SCALES = {"mobilefacenet": 1, "mbf": 2}
+"""The original MobileFaceNet, and arcface_torch's `get_model("mbf")` (twice as wide)."""
+
+NAMES = sorted([*DEPTHS, *MOBILEFACENET_SCALES, "tiny"])
 
 
 def unknown_network(name: str) -> str | None:
@@ -26,8 +32,8 @@ def get_model(name: str, embedding_size: int = 512, dropout: float = 0.0) -> Hyb
     name = name.replace("iresnet", "r")
     if name in DEPTHS:
         return IResNet(DEPTHS[name], embedding_size=embedding_size, dropout=dropout)
-    if name == "mobilefacenet":
-        return MobileFaceNet(embedding_size, dropout)
+    if name in MOBILEFACENET_SCALES:
+        return MobileFaceNet(embedding_size, dropout, MOBILEFACENET_SCALES[name])
     return IResNet((1, 1, 1), widths=(32, 64, 128), stem=16, stem_stride=2,
                    embedding_size=embedding_size, dropout=dropout)
 

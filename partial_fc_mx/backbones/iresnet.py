@@ -1,5 +1,8 @@
 """IResNet, insightface's face ResNet: residual units BN-Conv-BN-PReLU-Conv-BN, and an
-output of BN-Dropout-FC-BN that turns the 7 x 7 map into the embedding."""
+output of BN-Dropout-FC-BN that turns the 7 x 7 map into the embedding. Layer for
+layer arcface_torch's `get_model("r50")` (and r18 ... r200): one PReLU slope per channel,
+the same parameter shapes (tests/test_backbones.py holds them to a recording of the
+anchor's)."""
 
 from __future__ import annotations
 
@@ -8,6 +11,12 @@ from mxnet.gluon import HybridBlock, nn
 from .dropout import Dropout
 
 BN_EPS = 1e-5
+
+
+def prelu(channels: int) -> nn.PReLU:
+    """A slope per channel, as insightface's networks have (checkpoints of the earlier
+    layout, one slope per layer, load broadcast: backbones/layout.py)."""
+    return nn.PReLU(in_channels=channels)
 
 
 def conv3x3(channels: int, stride: int = 1) -> nn.Conv2D:
@@ -19,7 +28,7 @@ class IBasicBlock(HybridBlock):
         super().__init__()
         self.body = nn.HybridSequential()
         self.body.add(nn.BatchNorm(epsilon=BN_EPS), conv3x3(channels),
-                      nn.BatchNorm(epsilon=BN_EPS), nn.PReLU(), conv3x3(channels, stride),
+                      nn.BatchNorm(epsilon=BN_EPS), prelu(channels), conv3x3(channels, stride),
                       nn.BatchNorm(epsilon=BN_EPS))
         self.downsample = None
         if downsample:
@@ -51,7 +60,7 @@ class IResNet(HybridBlock):
         super().__init__()
         self.features = nn.HybridSequential()
         self.features.add(nn.Conv2D(stem, 3, stem_stride, 1, use_bias=False),
-                          nn.BatchNorm(epsilon=BN_EPS), nn.PReLU())
+                          nn.BatchNorm(epsilon=BN_EPS), prelu(stem))
         for blocks, width in zip(layers, widths):  # each stage halves the map: first unit
             for i in range(blocks):                # has stride 2 and a projection shortcut
                 self.features.add(IBasicBlock(width, 2 if i == 0 else 1, downsample=i == 0))

@@ -1,12 +1,15 @@
-"""MobileFaceNet (insightface's variant): depthwise-separable residual blocks and a
-global depthwise convolution (GDC) in place of pooling before the embedding."""
+"""MobileFaceNet as arcface_torch defines it: depthwise-separable residual blocks and a
+global depthwise convolution (GDC) in place of pooling before the embedding, one PReLU
+slope per channel and a BatchNorm with a learned scale on the embedding. `scale`
+multiplies the trunk's widths: 1 is the original MobileFaceNet ("mobilefacenet"), 2
+is arcface_torch's `get_model("mbf")` ("mbf")."""
 
 from __future__ import annotations
 
 from mxnet.gluon import HybridBlock, nn
 
 from .dropout import Dropout
-from .iresnet import BN_EPS
+from .iresnet import BN_EPS, prelu
 
 
 def conv_bn(channels: int, kernel: int, stride: int = 1, groups: int = 1,
@@ -16,7 +19,7 @@ def conv_bn(channels: int, kernel: int, stride: int = 1, groups: int = 1,
     block.add(nn.Conv2D(channels, kernel, stride, padding, groups=groups, use_bias=False),
               nn.BatchNorm(epsilon=BN_EPS))
     if not linear:
-        block.add(nn.PReLU())
+        block.add(prelu(channels))
     return block
 
 
@@ -39,24 +42,26 @@ class MobileFaceNet(HybridBlock):
     """Hybridize before use: MXNet 1.9.1's imperative oneDNN path crashes on this
     net's head at batch sizes above 1 (the hybridized graph runs fine)."""
 
-    def __init__(self, embedding_size: int = 512, dropout: float = 0.0) -> None:
+    def __init__(self, embedding_size: int = 512, dropout: float = 0.0, scale: int = 1) -> None:
         super().__init__()
+        narrow, wide = 64 * scale, 128 * scale
         self.features = nn.HybridSequential()
-        self.features.add(conv_bn(64, 3, 2), conv_bn(64, 3, groups=64),
-                          DepthWise(64, 128, stride=2))
+        # the second convolution has 64 groups at any scale (depthwise at scale 1)
+        self.features.add(conv_bn(narrow, 3, 2), conv_bn(narrow, 3, groups=64),
+                          DepthWise(narrow, 128, stride=2))
         for _ in range(4):
-            self.features.add(DepthWise(64, 128, residual=True))
-        self.features.add(DepthWise(128, 256, stride=2))
+            self.features.add(DepthWise(narrow, 128, residual=True))
+        self.features.add(DepthWise(wide, 256, stride=2))
         for _ in range(6):
-            self.features.add(DepthWise(128, 256, residual=True))
-        self.features.add(DepthWise(128, 512, stride=2))
+            self.features.add(DepthWise(wide, 256, residual=True))
+        self.features.add(DepthWise(wide, 512, stride=2))
         for _ in range(2):
-            self.features.add(DepthWise(128, 256, residual=True))
+            self.features.add(DepthWise(wide, 256, residual=True))
         gdc = conv_bn(512, 7, groups=512, linear=True, padding=0)  # 7x7 -> 1x1
         self.features.add(conv_bn(512, 1), gdc)
         self.head = nn.HybridSequential()
         self.head.add(nn.Flatten(), Dropout(dropout), nn.Dense(embedding_size, use_bias=False),
-                      nn.BatchNorm(epsilon=BN_EPS, scale=False))
+                      nn.BatchNorm(epsilon=BN_EPS))
 
     def hybrid_forward(self, F, x):
         return self.head(self.features(x))

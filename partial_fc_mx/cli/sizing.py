@@ -23,7 +23,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
                              "mxnet-cuXXX wheels (or, without files, as recorded)")
     model = commands.add_parser("model", help="parameter count and FLOPs of a backbone")
     model.set_defaults(func=model_command)
-    model.add_argument("network", help="r18, r34, r50, r100, r200, mobilefacenet or tiny")
+    model.add_argument("network", help="r18, r34, r50, r100, r200, mobilefacenet, mbf or tiny")
     model.add_argument("--embedding-size", type=int, default=512)
     plan = commands.add_parser(
         "plan", help="memory, collectives and FLOPs per GPU of a run, and the fewest GPUs "
@@ -38,7 +38,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     plan.add_argument("--embedding-size", type=int)
     plan.add_argument("--sample-rate", type=float)
     plan.add_argument("--batch-size", type=int, help="per GPU (process)")
-    plan.add_argument("--network", help="r18, r34, r50, r100, r200, mobilefacenet or tiny")
+    plan.add_argument("--network", help="r18, r34, r50, r100, r200, mobilefacenet, mbf or tiny")
     plan.add_argument("--fp16", action=argparse.BooleanOptionalAction,
                       help="the backbone in 16 bits")
     plan.add_argument("--fp16-centers", action=argparse.BooleanOptionalAction,

@@ -43,6 +43,7 @@ import numpy as np
 
 from .. import dist, durable
 from ..backbones import graph_of
+from ..backbones.layout import load_parameters
 from ..errors import UserError
 from ..evaluation.validator import Validator
 from ..pfc.centers import HOST_CHUNK_ELEMENTS, shard_of
@@ -463,7 +464,7 @@ def resume(checkpoint: Path, net, trainer, pfc: PartialFC, validator: Validator,
     """Everything back as it was saved; the sampler continues its stream when the world
     size is unchanged, else each rank starts a fresh stream from (seed, rank, step)."""
     meta = read_meta(checkpoint, pfc)
-    net.load_parameters(str(checkpoint / BACKBONE), ctx=ctx)
+    load_parameters(net, checkpoint / BACKBONE, ctx)
     load_trainer_state(trainer, checkpoint / OPTIMIZER, ctx)
     state = TrainState(**{f.name: meta[f.name] for f in dataclasses.fields(TrainState)})
     saved_margin = meta.get("margin", {"name": "combined", "state": {}})
@@ -483,5 +484,5 @@ def resume(checkpoint: Path, net, trainer, pfc: PartialFC, validator: Validator,
 def load_weights(checkpoint: Path, net, pfc: PartialFC, ctx: mx.Context) -> None:
     """--load-from: backbone and centers only; optimizer state and step start afresh."""
     meta = read_meta(checkpoint, pfc, weights_only=True)
-    net.load_parameters(str(checkpoint / BACKBONE), ctx=ctx)
+    load_parameters(net, checkpoint / BACKBONE, ctx)
     load_centers(checkpoint, meta, pfc, with_states=False)

@@ -88,6 +88,7 @@ def export_onnx(work_dir: str | os.PathLike) -> Path:
         weights = {init.name for init in model.graph.initializer}
         for graph_input in [i for i in model.graph.input if i.name in weights]:
             model.graph.input.remove(graph_input)
+        slopes_per_channel(model)
         onnx.checker.check_model(model)
         onnx.save(model, str(tmp))
         final = work_dir / "backbone.onnx"
@@ -95,6 +96,17 @@ def export_onnx(work_dir: str | os.PathLike) -> Path:
     finally:
         tmp.unlink(missing_ok=True)  # replaced: nothing left
     return final
+
+
+def slopes_per_channel(model: onnx.ModelProto) -> None:
+    """MXNet's exporter gives a PRelu its per-channel slope as a (C,) tensor, which ONNX
+    broadcasts against the last axis (the width), not the channels: reshaped to
+    (C, 1, 1), as insightface's own ONNX backbones have it."""
+    initializers = {init.name: init for init in model.graph.initializer}
+    for node in model.graph.node:
+        slope = initializers.get(node.input[1]) if node.op_type == "PRelu" else None
+        if slope is not None and len(slope.dims) == 1 and slope.dims[0] > 1:
+            slope.dims.extend([1, 1])
 
 
 def onnx_session(path: str | os.PathLike):

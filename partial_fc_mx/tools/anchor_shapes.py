@@ -1,0 +1,43 @@
+"""The parameter shapes of arcface_torch's backbones, layer by layer, recorded from its
+own `get_model` so that tests/test_backbones.py can hold ours to them without torch:
+
+    python -m venv torch-venv && torch-venv/bin/pip install torch numpy
+    PYTHONPATH=. torch-venv/bin/python -m partial_fc_mx.tools.anchor_shapes \\
+        --arcface-torch insightface/recognition/arcface_torch > tests/anchor_shapes.json
+
+torch and insightface are imported only here, in that environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+NAMES = ("r18", "r34", "r50", "r100", "r200", "mbf")
+"""The names both toolkits' get_model know."""
+
+
+def shapes_of(model) -> list[list]:
+    """[[name, shape], ...] of every parameter, in the order the modules register them
+    (BatchNorm's running statistics are buffers, not parameters)."""
+    return [[name, list(parameter.shape)] for name, parameter in model.named_parameters()]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m partial_fc_mx.tools.anchor_shapes")
+    parser.add_argument("--arcface-torch", type=Path, required=True,
+                        help="the recognition/arcface_torch folder of an insightface checkout")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(args.arcface_torch))
+    from backbones import get_model
+
+    recorded = {name: shapes_of(get_model(name, num_features=512)) for name in NAMES}
+    networks = [f"{json.dumps(name)}: [\n" + ",\n".join(json.dumps(layer) for layer in layers)
+                + "\n]" for name, layers in recorded.items()]
+    sys.stdout.write("{\n" + ",\n".join(networks) + "\n}\n")  # one layer per line
+
+
+if __name__ == "__main__":
+    main()
