@@ -9,6 +9,10 @@ from pathlib import Path
 
 def default_cache_dir() -> Path:
     """~/.cache/partial_fc_mx (XDG_CACHE_HOME moves ~/.cache; PFC_CACHE_DIR replaces
-    the whole path). install.sh keeps its Horovod wheels there too."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    return Path(os.environ.get("PFC_CACHE_DIR") or Path(base) / "partial_fc_mx")
+    the whole path). install.sh keeps its Horovod wheels there too. RuntimeError where
+    neither is set and there is no home folder (no HOME, a uid without a passwd entry):
+    a cache must not land in a folder named "~" under the current one."""
+    if folder := os.environ.get("PFC_CACHE_DIR"):
+        return Path(folder)
+    base = os.environ.get("XDG_CACHE_HOME")
+    return (Path(base) if base else Path.home() / ".cache") / "partial_fc_mx"

@@ -41,14 +41,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 @dataclass(frozen=True)
 class SyntheticSet:
-    """Synthetic identities (data/synthetic.py) instead of ORL: one set per split seed."""
+    """Synthetic identities (prep/synthetic.py) instead of ORL: one set per split seed."""
 
     classes: int
     per_class: int
     heldout: int
     pairs: int
     shared: float = 0.0
-    """How much all identities look alike (data/synthetic.py)."""
+    """How much all identities look alike (prep/synthetic.py)."""
 
 
 @dataclass

@@ -14,6 +14,7 @@ import json
 import sys
 
 import horovod.mxnet as hvd
+import horovod.mxnet.functions as hvd_functions
 import numpy as np
 
 from partial_fc_mx import train
@@ -41,17 +42,21 @@ def record(op: str, tensors: list) -> None:
 
 
 def recorded(name: str, op: str, gathers: bool = False):
-    """horovod.mxnet.<name>, recording each call's tensors (an allgather's output)."""
-    original = getattr(hvd, name)
+    """horovod.mxnet.<name>, recording each call's tensors (an allgather's output); also
+    where horovod.mxnet.functions calls it (allgather_object, broadcast_object)."""
+    for module in (hvd, hvd_functions):
+        if not hasattr(module, name):
+            continue
+        original = getattr(module, name)
 
-    def call(*args, **kwargs):
-        result = original(*args, **kwargs)
-        given = kwargs.get("tensors", kwargs.get("tensor", args[0] if args else None))
-        tensors = given if isinstance(given, (list, tuple)) else [given]
-        record(op, [result] if gathers else list(tensors))
-        return result
+        def call(*args, original=original, **kwargs):
+            result = original(*args, **kwargs)
+            given = kwargs.get("tensors", kwargs.get("tensor", args[0] if args else None))
+            tensors = given if isinstance(given, (list, tuple)) else [given]
+            record(op, [result] if gathers else list(tensors))
+            return result
 
-    setattr(hvd, name, call)
+        setattr(module, name, call)
 
 
 for function in ("allreduce", "allreduce_", "grouped_allreduce", "grouped_allreduce_"):

@@ -333,9 +333,10 @@ def wait_for_a_save_in_progress(work: Path, deadline: float) -> Path | None:
     complete, once there is one; None at the deadline."""
     root = work / "checkpoints"
     while time.time() < deadline:
-        partial = list(root.glob(".step_*.partial"))
-        if checkpoint.checkpoints(work) and partial:
-            return partial[0]
+        if checkpoint.checkpoints(work):  # first: the partial folder may be the first save's
+            partial = list(root.glob(".step_*.partial"))
+            if partial and partial[0].is_dir():
+                return partial[0]
         time.sleep(0.01)
     return None
 

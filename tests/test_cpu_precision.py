@@ -186,7 +186,7 @@ def test_the_probe_is_cached_per_onednn_setting(monkeypatch):
 
 
 COUNTING_PROBE = """
-from partial_fc_mx import cpu_precision
+from partial_fc_mx.run import cpu_precision
 real, ran = cpu_precision.run_probe, []
 cpu_precision.run_probe = lambda network: ran.append(1) or real(network)
 cpu_precision.cached_probe(("tiny", 64, 0.0))

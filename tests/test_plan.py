@@ -77,6 +77,10 @@ def test_the_plan_lists_the_collectives_a_real_step_calls(tmp_path, synthetic):
     plan = make_plan(load_config(config), 2, host_memory=24.0)
     assert [(c.op, c.payload) for c in plan.collectives] == [
         (call["op"], call["bytes"]) for call in calls], calls
+    for planned, call in zip(plan.collectives, calls):  # "48 x 64 float32"
+        if not call.get("gradients"):
+            [shape], [dtype] = call["shapes"], call["dtypes"]
+            assert planned.shape == f"{' x '.join(map(str, shape))} {dtype}", (planned, call)
     # the trainer's allreduce of the backbone's gradients is the one the plan sizes so
     [gradients] = [c.payload for c in plan.collectives if c.name == "backbone gradients"]
     assert gradients == plan.memory.backbone.gradients == 4 * plan.parameters > 0

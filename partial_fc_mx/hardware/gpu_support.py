@@ -21,6 +21,7 @@ import importlib.metadata
 import importlib.util
 import os
 import re
+import tempfile
 import zipfile
 from collections import Counter
 from dataclasses import dataclass
@@ -315,7 +316,11 @@ def installed_report() -> list[Line]:
     installed = mxnet_distribution(package)
     build = f"{installed[0]} {installed[1]} ({library})" if installed else str(library)
     try:
-        fatbinaries = library_fatbinaries(library, default_cache_dir())
+        cache = default_cache_dir()
+    except RuntimeError:  # no home folder: the table is read again each time
+        cache = Path(tempfile.gettempdir()) / f"partial_fc_mx-{os.getuid()}"
+    try:
+        fatbinaries = library_fatbinaries(library, cache)
     except OSError as error:
         return [Line(f"cannot read {library} to see which GPUs it supports: {error}",
                      problem=True)]

@@ -153,14 +153,14 @@ def agree(choices: list[tuple[str, Choice]]) -> Choice:
 # ----- the probe -----
 def cache_folder() -> Path:
     """~/.cache/partial_fc_mx/precision, or one in the temporary folder where that one
-    cannot be written (a read-only home): the lock must work either way, or every rank
+    cannot be written (a read-only home, or none): the lock must work either way, or every rank
     would probe at once."""
-    folder = caches.default_cache_dir() / "precision"
     try:
+        folder = caches.default_cache_dir() / "precision"
         folder.mkdir(parents=True, exist_ok=True)
         if os.access(folder, os.W_OK):
             return folder
-    except OSError:
+    except (OSError, RuntimeError):  # RuntimeError: no home folder
         pass
     return Path(tempfile.gettempdir()) / f"partial_fc_mx-{os.getuid()}" / "precision"
 

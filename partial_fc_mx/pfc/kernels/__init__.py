@@ -88,7 +88,7 @@ def build(mxnet: Path) -> Path:
     command = [compiler, *FLAGS, f"-I{mxnet / 'include'}", *map(str, sources)]
     try:
         folder = kernel_folder()
-    except RuntimeError as error:  # no HOME, and a uid without a passwd entry
+    except RuntimeError as error:  # no HOME, and a uid without a passwd entry (caches.py)
         raise KernelBuildError(f"no folder to build partial_fc_mx's CPU kernels in ({error}): "
                                "set PARTIAL_FC_MX_KERNELS to a writable folder") from error
     try:

@@ -1,5 +1,5 @@
-// The row-wise passes of one Partial FC step, fused for the CPU (partial_fc_mx/rows.py),
-// and the SGD update of its sampled centers (center_optimizers/sgd.py).
+// The row-wise passes of one Partial FC step, fused for the CPU (partial_fc_mx/pfc/rows.py),
+// and the SGD update of its sampled centers (pfc/center_optimizers/sgd.py).
 //
 // Composed of MXNet operators, each of these passes is 2-5 operators, and each operator
 // is a pass of its own over an N x n or n x D matrix: at N = 1024 and 50,000 sampled
