@@ -102,12 +102,16 @@ class Config:
     "sgd" (with `momentum`, the insightface references') or "adamw" (per-row bias
     correction; its moments are float32 even with fp16_centers). Both use
     `weight_decay` and the learning rate lr * center_lr_scale."""
+    center_update: str = "lazy"
+    """How the centers a step did not sample take it. "lazy" (the MXNet reference): a
+    step moves only the sampled centers; the optimizer's states and weight decay reach
+    a row only when it is sampled. "exact": a sampled row first takes the momentum and
+    weight-decay steps it missed (SGD only), so every step sees the rows of "dense" at
+    the sample's cost. "dense" (arcface_torch's PartialFC_V2, a dense optimizer over
+    the whole shard): every row takes its states and weight decay every step, float32
+    centers only. docs/sampling.md compares them."""
     center_lazy_update: bool = True
-    """True (the MXNet reference): a step moves only the sampled centers, and the
-    optimizer's states and weight decay reach a row only when it is sampled. False
-    (arcface_torch's PartialFC_V2, a dense optimizer over the whole shard): every row
-    takes its states and weight decay every step. float32 centers only;
-    docs/sampling.md compares them."""
+    """The earlier switch: False is center_update = "dense"."""
 
     # --- optimisation ---
     batch_size: int = 128
@@ -189,9 +193,7 @@ class Config:
             self.centers_optimizer()
         except ValueError as error:
             problems.append(str(error))
-        if not self.center_lazy_update and self.fp16_centers:
-            problems.append("center_lazy_update=False needs float32 centers "
-                            "(fp16_centers=False): the dense update is float32 only")
+        problems += self.center_update_problems()
         if self.cpu_precision not in CPU_PRECISIONS:
             problems.append(f"cpu_precision={self.cpu_precision!r} must be one of "
                             f"{', '.join(map(repr, CPU_PRECISIONS))}")
@@ -235,6 +237,31 @@ class Config:
 
         return margins.build(self.margin, scale=self.scale, margin_list=self.margin_list,
                              options=self.margin_options)
+
+    def center_update_mode(self) -> str:
+        """center_update, with the earlier center_lazy_update=False read as "dense"."""
+        return "dense" if not self.center_lazy_update else self.center_update
+
+    def center_update_problems(self) -> list[str]:
+        from .pfc.idle_rows import CENTER_UPDATES
+
+        update = self.center_update_mode()
+        if self.center_update not in CENTER_UPDATES:
+            return [f"center_update={self.center_update!r} must be one of "
+                    f"{', '.join(map(repr, CENTER_UPDATES))}"]
+        if not self.center_lazy_update and self.center_update != "lazy":
+            return [f"center_lazy_update=False (the earlier switch, \"dense\") and "
+                    f"center_update={self.center_update!r} disagree: give center_update only"]
+        if update == "dense" and self.fp16_centers:
+            named = ("center_lazy_update=False" if not self.center_lazy_update
+                     else "center_update='dense'")
+            return [f"{named} needs float32 centers (fp16_centers=False): the dense update "
+                    "is float32 only"]
+        if update == "exact" and self.center_optimizer != "sgd":
+            return [f"center_update='exact' replays SGD's momentum and weight decay; the "
+                    f"{self.center_optimizer} optimizer of the centers updates lazily only: "
+                    "use center_update='lazy' or center_optimizer='sgd'"]
+        return []
 
     def centers_optimizer(self) -> CenterOptimizer:
         from .pfc import center_optimizers

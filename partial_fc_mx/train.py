@@ -254,7 +254,7 @@ def build(config: Config, world: dist.World, ctx: mx.Context, dtype: str,
     pfc = PartialFC(config.num_classes, config.embedding_size, rank=world.rank,
                     world_size=world.size, ctx=ctx, sample_rate=config.sample_rate,
                     margin=config.margin_function(), fp16_centers=config.fp16_centers,
-                    seed=config.seed, lazy_update=config.center_lazy_update,
+                    seed=config.seed, center_update=config.center_update_mode(),
                     optimizer=config.centers_optimizer(), initialize_centers=fresh_centers)
     return (work_dir, dataset, loader, validator, (net, model), pfc,
             make_trainer(config, net))

@@ -5,7 +5,8 @@ and compares with the float64 full-softmax reference in pfc_reference.py. It pri
 `PASS rank R ...` with the errors it saw, or raises. Usage:
 
     python tests/pfc_worker.py CASE      (CASE: exact, unequal, sampled, dense-sampled,
-                                          fp16, fp16-sampled, bf16, adamw, adamw-sampled,
+                                          replay-sampled, fp16, fp16-sampled, bf16,
+                                          adamw, adamw-sampled,
                                           adamw-fp16-sampled, adamw-dense-sampled,
                                           adaface, adaface-sampled, adaface-unequal,
                                           far, varying, nan-center, composed-sampled,
@@ -104,7 +105,10 @@ def far_apart(rng, weight: np.ndarray, dim: int):
 
 def run_steps(case: str, rank: int, world: int) -> dict:
     sampled, fp16 = "sampled" in case or case == "varying", "fp16" in case
-    lazy = "dense" not in case  # dense: every row's states and decay, every step
+    # dense: every row's states and decay, every step; replay (center_update "exact"):
+    # a sampled row first takes the steps it missed, so it matches the dense reference
+    replay = "replay" in case
+    lazy = "dense" not in case and not replay
     num_classes, dim = (400, 24) if sampled else (53, 24)
     # varying: 2% of a shard sampled, fewer rows than a batch's positives in the first
     # and last step, more in the middle one: the step's buffers shrink, then regrow
@@ -120,7 +124,8 @@ def run_steps(case: str, rank: int, world: int) -> dict:
     states = start_states(rng, (num_classes, dim))
     # blocks: each shard stored in blocks of 11 rows, its sample spread over them
     pfc = PartialFC(num_classes, dim, rank=rank, world_size=world, sample_rate=sample_rate,
-                    margin=margin, scale=scale, fp16_centers=fp16, seed=7, lazy_update=lazy,
+                    margin=margin, scale=scale, fp16_centers=fp16, seed=7,
+                    center_update="exact" if replay else ("lazy" if lazy else "dense"),
                     optimizer=optimizer, center_block_rows=11 if "blocks" in case else None)
     assert len(pfc.centers.blocks) == (-(-pfc.shard.count // 11) if "blocks" in case else 1)
     assert isinstance(pfc.rows, FusedRows)  # the CPU's
@@ -138,7 +143,8 @@ def run_steps(case: str, rank: int, world: int) -> dict:
     errors = {"loss": 0.0, "grad": 0.0, "weight": 0.0, "update": 0.0,
               **{f"state_{name}": 0.0 for name in states}}
     sample_sizes, buffer_bytes = [], []
-    for step in range(3 if case == "varying" else 2):
+    steps = 3 if case == "varying" else 6 if replay else 2
+    for step in range(steps):
         x, labels, offsets = problem(100 + step, world, num_classes, dim, batch_sizes)
         x = reshape(x)
         if case == "varying" and step == 1:
@@ -149,7 +155,9 @@ def run_steps(case: str, rank: int, world: int) -> dict:
             dtype = "float16" if fp16 else BFLOAT16
             local_x = mx.nd.amp_cast(local_x, dtype=dtype)
             x = mx.nd.amp_cast(mx.nd.array(x), dtype=dtype).astype("float32").asnumpy()
-        before = pfc.centers.state_dict()
+        # replay: no state_dict (it brings every row current) until the last step, so
+        # the forwards read rows that had missed steps
+        before = None if replay else pfc.centers.state_dict()
         loss, grad = pfc.forward_backward(local_x, mx.nd.array(labels[mine]))
         pfc.step(lr)
         assert grad.dtype == local_x.dtype and grad.shape == local_x.shape
@@ -168,14 +176,19 @@ def run_steps(case: str, rank: int, world: int) -> dict:
                                                   sampled)
         updated = sampled if lazy else np.arange(num_classes)
         new_w, new_states = reference_update(ref_w, ref_states, ref_gw, updated)
-        got = pfc.centers.state_dict()
         errors["loss"] = max(errors["loss"], rel(loss.asscalar(), ref_loss))
         errors["grad"] = max(errors["grad"], rel(grad.astype("float32").asnumpy(), ref_gx[mine]))
+        ref_w, ref_states, old_w = new_w, new_states, ref_w
+        if before is None and step < steps - 1:
+            continue
+        got = pfc.centers.state_dict()
         errors["weight"] = max(errors["weight"], rel(got["weight"], new_w[shard]))
         for name, state in new_states.items():
             errors[f"state_{name}"] = max(errors[f"state_{name}"], rel(got[name], state[shard]))
+        if before is None:
+            continue
         errors["update"] = max(errors["update"],
-                               rel(got["weight"] - before["weight"], (new_w - ref_w)[shard]))
+                               rel(got["weight"] - before["weight"], (new_w - old_w)[shard]))
         untouched = np.setdiff1d(np.arange(pfc.shard.count), pfc.sampled_classes - pfc.shard.start)
         if len(untouched) and lazy:  # unsampled rows and every state of them: bit for bit
             for name in ["weight", *states]:
@@ -186,7 +199,7 @@ def run_steps(case: str, rank: int, world: int) -> dict:
             assert not np.array_equal(got["weight"][untouched], before["weight"][untouched])
             errors["moved_unsampled_rows"] = len(untouched)
         if case == "far":  # some rank's best logit of every row is past exp's range
-            w_hat = ref_w[sampled] / np.linalg.norm(ref_w[sampled], axis=1, keepdims=True)
+            w_hat = old_w[sampled] / np.linalg.norm(old_w[sampled], axis=1, keepdims=True)
             cos = x / np.linalg.norm(x, axis=1, keepdims=True) @ w_hat.T
             mine = np.isin(sampled, pfc.sampled_classes)
             gap = scale * (cos[:, mine].max(1) - cos.max(1))
@@ -194,7 +207,6 @@ def run_steps(case: str, rank: int, world: int) -> dict:
             underflowed = hvd.allgather_object(int((gap < -87.4).sum()))
             assert max(underflowed) == len(x), (underflowed, gap)
             errors["underflowed_rows"] = underflowed[rank]
-        ref_w, ref_states = new_w, new_states
         if fp16:  # the stored values are rounded (float16 centers); continue from them
             ref_w = np.concatenate(hvd.allgather_object(got["weight"])).astype(np.float64)
             ref_states = {name: np.concatenate(hvd.allgather_object(got[name])).astype(np.float64)

@@ -44,6 +44,9 @@ def assert_every_rank_passed(result, world: int, case: str):
     ("mpirun", 2, "sampled"),
     ("python", 1, "dense-sampled"),   # lazy_update=False: every row's momentum and decay
     ("mpirun", 2, "dense-sampled"),
+    ("python", 1, "replay-sampled"),  # center_update "exact": the dense reference, 6 steps
+    ("horovodrun", 2, "replay-sampled"),
+    ("mpirun", 3, "blocks-replay-sampled"),
     ("mpirun", 3, "unequal"),         # batches of 4, 5 and 6 rows
     ("horovodrun", 2, "fp16"),        # float16 embeddings and float16 center storage
     ("mpirun", 2, "fp16-sampled"),

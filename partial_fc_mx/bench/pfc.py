@@ -28,6 +28,7 @@ from .. import dist
 from ..errors import UserError
 from ..pfc import kernels
 from ..pfc.centers import shard_of
+from ..pfc.idle_rows import CENTER_UPDATES
 from ..pfc.partial_fc import PartialFC
 from ..pfc.threads import rank_threads
 from ..sizing.pfc_memory import estimate_memory
@@ -39,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     shapes.add_arguments(parser)
     parser.add_argument("--fp16-centers", action="store_true",
                         help="float16 centers (twice the classes in the same memory)")
+    parser.add_argument("--center-update", choices=CENTER_UPDATES, default="lazy",
+                        help="how the rows not sampled take a step (config center_update)")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -159,7 +162,8 @@ def bench_config(world: dist.World, ctx: mx.Context, num_classes: int, args) -> 
         start = time.perf_counter()
         pfc = PartialFC(num_classes, args.embedding_size, rank=world.rank,
                         world_size=world.size, ctx=ctx, sample_rate=sample_rate,
-                        margin=(1.0, 0.5, 0.0), scale=64.0, fp16_centers=args.fp16_centers)
+                        margin=(1.0, 0.5, 0.0), scale=64.0, fp16_centers=args.fp16_centers,
+                        center_update=args.center_update)
         mx.nd.waitall()
         startup_seconds = time.perf_counter() - start
         rng = np.random.default_rng(world.rank)

@@ -21,6 +21,7 @@ import numpy as np
 from .buffers import INT32_ELEMENTS, Buffers
 from .center_optimizers import CenterOptimizer
 from .host_view import fill_threads, host_view, zeros
+from .idle_rows import IdleSteps
 
 
 @dataclass(frozen=True)
@@ -53,10 +54,15 @@ class ClassCenters:
 
     def __init__(self, shard: Shard, embedding_size: int, optimizer: CenterOptimizer, *,
                  ctx: mx.Context, dtype: str = "float32", seed: int = 0, rank: int = 0,
-                 lazy: bool = True, block_rows: int | None = None,
+                 lazy: bool = True, exact: bool = False, block_rows: int | None = None,
                  initialize: bool = True) -> None:
+        """`lazy=False`: every row takes every step (dense); `exact`: the sampled rows
+        first take the steps they missed (idle_rows.py, SGD only)."""
         if dtype == "float16" and not lazy:
             raise ValueError("lazy_update=False needs float32 centers")
+        if exact and optimizer.name != "sgd":
+            raise ValueError(f"the exact lazy update replays SGD's steps; the "
+                             f"{optimizer.name} optimizer of the centers updates lazily only")
         self.shard, self.embedding_size, self.optimizer = shard, embedding_size, optimizer
         self.ctx, self.dtype = ctx, dtype
         self.block_rows = block_rows or rows_per_block(embedding_size)
@@ -68,6 +74,8 @@ class ClassCenters:
         self.rng = np.random.default_rng([seed, rank])
         self.buffers = Buffers(ctx)
         self._last_split = None  # (index, its split): see _split
+        self.idle = (IdleSteps(shard.count, optimizer.momentum, optimizer.weight_decay)
+                     if exact else None)
 
     @property
     def weight(self) -> mx.nd.NDArray:
@@ -99,7 +107,9 @@ class ClassCenters:
         return {name: [block.arrays()[name] for block in self.blocks] for name in self.widths()}
 
     def state_dict(self) -> dict:
-        """{"weight": rows, <state>: rows, ..., "sampler": the generator's state}."""
+        """{"weight": rows, <state>: rows, ..., "sampler": the generator's state}, every
+        row current."""
+        self.bring_all_current()
         return {**{name: np.concatenate([part.asnumpy() for part in parts])
                    for name, parts in self.arrays().items()},
                 "sampler": self.rng.bit_generator.state}
@@ -123,6 +133,8 @@ class ClassCenters:
                         if name != "sampler"})
         if "sampler" in state:
             self.rng.bit_generator.state = state["sampler"]
+        if self.idle is not None:
+            self.idle.all_current()
 
     def restart_sampler(self, seed: int, rank: int, step: int) -> None:
         """A fresh negative-sampling stream, e.g. after a resume on another world size
@@ -137,6 +149,28 @@ class ClassCenters:
             return parts[0]
         return mx.nd.concat(*parts, dim=0, out=self.buffers.get(
             "sampled weights", (len(index), self.embedding_size)))
+
+    def bring_current(self, index: np.ndarray | None) -> None:
+        """With the exact lazy update, give the rows `index` (sorted; None: all, which
+        are current already) the steps they missed since they were last sampled."""
+        if self.idle is None or index is None:
+            return
+        coefficients = self.idle.coefficients(index)
+        if coefficients is None:
+            return
+        for block, rows, taken in self._split(index):
+            block.replay(rows, coefficients[taken])
+        self.idle.last[index] = self.idle.done
+
+    def bring_all_current(self) -> None:
+        """Every row given the steps it missed, a part at a time: before a checkpoint,
+        so that it holds the rows a dense update would have, and no history."""
+        if self.idle is None or self.idle.start == self.idle.done:
+            return
+        step = max(1, HOST_CHUNK_ELEMENTS // self.embedding_size)
+        for low in range(0, self.shard.count, step):
+            self.bring_current(np.arange(low, min(low + step, self.shard.count)))
+        self.idle.all_current()
 
     def update(self, index: np.ndarray | None, w: mx.nd.NDArray, grad: mx.nd.NDArray,
                lr: float) -> None:
@@ -153,6 +187,8 @@ class ClassCenters:
         for block in self.blocks:
             if not block.lazy and id(block) not in touched:
                 self.optimizer.update(block, None, block.weight, block.zero_gradient(), lr)
+        if self.idle is not None:
+            self.idle.stepped(index, lr)
 
     def _split(self, index: np.ndarray | None):
         """(block, its rows of `index` as an NDArray or None for all, the slice of the
@@ -240,6 +276,20 @@ class CenterBlock:
         full = mx.nd.zeros(self.weight.shape, ctx=self.ctx)
         full[index] = grad
         return None, self.weight, full
+
+    def replay(self, index: mx.nd.NDArray | None, coefficients: np.ndarray) -> None:
+        """[w; m] <- P [w; m] for rows `index` (None: all) and their momentum, P of each
+        row given as (a, b, c, d) in float64 (idle_rows.py): in float32, stored rounded."""
+        p = mx.nd.array(coefficients, ctx=self.ctx, dtype="float32")
+
+        def rule(w: mx.nd.NDArray, states: dict) -> None:
+            m = states["mom"]
+            moved = mx.nd.broadcast_mul(w, p[:, 0:1]) + mx.nd.broadcast_mul(m, p[:, 1:2])
+            mx.nd.broadcast_add(mx.nd.broadcast_mul(w, p[:, 2:3]),
+                                mx.nd.broadcast_mul(m, p[:, 3:4]), out=m)
+            w[:] = moved
+
+        self.apply(index, self._float32_rows("weight", self.weight, index), rule)
 
     def apply(self, index: mx.nd.NDArray | None, w: mx.nd.NDArray,
               rule: Callable[[mx.nd.NDArray, dict], None]) -> None:

@@ -48,6 +48,7 @@ from .centers import (
     shard_of,
     tensor_size_problem,
 )
+from .idle_rows import CENTER_UPDATES
 from .margins import Margin
 from .margins.combined import CombinedMargin
 from .rows import row_passes, row_sums, set_entries, spare_column
@@ -94,6 +95,7 @@ class PartialFC:
         seed: int = 0,
         timer=None,
         lazy_update: bool = True,
+        center_update: str | None = None,
         optimizer: CenterOptimizer | None = None,
         center_block_rows: int | None = None,
         initialize_centers: bool = True,
@@ -101,7 +103,10 @@ class PartialFC:
         """`margin`: (m1, m2, m3) of the combined margin with `scale`, or a margin of
         margins/ (which has its own scale). `optimizer`: the centers'
         (center_optimizers/); by default SGD with `momentum` and `weight_decay`.
-        `center_block_rows`: rows per stored block of the shard (default: as many as
+        `center_update`: "lazy" (the sampled rows move), "exact" (and first take the
+        SGD steps they missed: the dense update's rows at the sample's cost) or "dense"
+        (every row every step); by default "lazy", or "dense" where lazy_update is
+        False. `center_block_rows`: rows per stored block of the shard (default: as many as
         one MXNet array holds; tests lower it). `initialize_centers=False` leaves
         the rows undrawn, for a caller that loads them from a checkpoint next."""
         if not 0 < sample_rate <= 1:
@@ -111,6 +116,10 @@ class PartialFC:
         # the sampled rows only: the logits' size depends on the batch (Config checks both)
         if problem := tensor_size_problem(num_classes, world_size, embedding_size, sample_rate):
             raise ValueError(problem)
+        update = center_update or ("lazy" if lazy_update else "dense")
+        if update not in CENTER_UPDATES:
+            raise ValueError(f"center_update={update!r} must be one of "
+                             f"{', '.join(CENTER_UPDATES)}")
         self.num_classes, self.embedding_size = num_classes, embedding_size
         self.rank, self.world_size = rank, world_size
         self.ctx = ctx or mx.cpu()
@@ -119,7 +128,8 @@ class PartialFC:
             shard_of(num_classes, rank, world_size), embedding_size,
             optimizer or SGD(momentum=momentum, weight_decay=weight_decay), ctx=self.ctx,
             dtype=center_dtype(fp16_centers), seed=seed, rank=rank,
-            lazy=lazy_update, block_rows=center_block_rows, initialize=initialize_centers)
+            lazy=update != "dense", exact=update == "exact", block_rows=center_block_rows,
+            initialize=initialize_centers)
         self.shard = self.centers.shard
         self.num_sample = num_sample(self.shard.count, sample_rate)
         self.margin = CombinedMargin(*margin, scale=scale) if isinstance(margin, tuple) \
@@ -165,6 +175,7 @@ class PartialFC:
             x_hat = x / x_norm
             norms = x_norm.reshape(-1)
             self.margin.observe(norms)
+            self.centers.bring_current(index)  # exact update: steps the rows missed
             w = self.centers.sampled_weights(index)
             v, w_scale = self._scaled_centers(w)
         with self.timer.phase("gemm"):

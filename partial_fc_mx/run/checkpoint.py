@@ -129,6 +129,7 @@ def save(work_dir: Path, state: TrainState, net, trainer, pfc: PartialFC,
          validator: Validator, world: dist.World, keep: int) -> Path:
     """Write a checkpoint of `state` on every rank; returns its directory. Any rank's
     failure (a full disk, a non-finite weight) is raised on every rank."""
+    pfc.centers.bring_all_current()  # the exact update: the rows a dense run would save
     settle()
     refuse_non_finite(net, pfc, state.step, work_dir)
     root = Path(work_dir) / CHECKPOINTS
