@@ -38,8 +38,11 @@ def gradient(step: int, rows: np.ndarray) -> np.ndarray:
     return np.stack([np.random.default_rng([9, step, row]).normal(size=DIM) for row in rows])
 
 
-def centers(shard: Shard, **options) -> ClassCenters:
-    return ClassCenters(shard, DIM, SGD(MU, LAMBDA), ctx=mx.cpu(), seed=3, **options)
+def centers(shard: Shard, fused: bool = True, **options) -> ClassCenters:
+    """fused: float32 rows on the CPU moved by the C++ kernels; False: by MXNet
+    operators, as on a GPU."""
+    return ClassCenters(shard, DIM, SGD(MU, LAMBDA, fused=fused), ctx=mx.cpu(), seed=3,
+                        **options)
 
 
 def run_steps(ranks: list[ClassCenters], steps: range) -> None:
@@ -65,17 +68,19 @@ def per_row_error(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.max(np.linalg.norm(got - want, axis=1) / np.linalg.norm(want, axis=1)))
 
 
-def test_exact_equals_dense_over_200_steps_with_a_resume_on_another_world_size():
+@pytest.mark.parametrize("fused", [True, False])
+def test_exact_equals_dense_over_200_steps_with_a_resume_on_another_world_size(fused):
     dense = centers(Shard(0, CLASSES), lazy=False)
     run_steps([dense], range(200))
-    two = [centers(shard_of(CLASSES, r, 2), exact=True, block_rows=7, rank=r) for r in (0, 1)]
+    two = [centers(shard_of(CLASSES, r, 2), fused, exact=True, block_rows=7, rank=r)
+           for r in (0, 1)]
     start = joined([centers(Shard(0, CLASSES))])
     for part in two:
         part.load_state_dict({name: rows[part.shard.start:part.shard.stop]
                               for name, rows in start.items()})
     run_steps(two, range(100))
     halfway = joined(two)  # every row brought current, as a checkpoint writes them
-    three = [centers(shard_of(CLASSES, r, 3), exact=True, block_rows=7, rank=r)
+    three = [centers(shard_of(CLASSES, r, 3), fused, exact=True, block_rows=7, rank=r)
              for r in range(3)]
     for part in three:
         part.load_state_dict({name: rows[part.shard.start:part.shard.stop]

@@ -159,7 +159,7 @@ class ClassCenters:
         if coefficients is None:
             return
         for block, rows, taken in self._split(index):
-            block.replay(rows, coefficients[taken])
+            self.optimizer.replay(block, rows, coefficients[taken])
         self.idle.last[index] = self.idle.done
 
     def bring_all_current(self) -> None:
@@ -276,20 +276,6 @@ class CenterBlock:
         full = mx.nd.zeros(self.weight.shape, ctx=self.ctx)
         full[index] = grad
         return None, self.weight, full
-
-    def replay(self, index: mx.nd.NDArray | None, coefficients: np.ndarray) -> None:
-        """[w; m] <- P [w; m] for rows `index` (None: all) and their momentum, P of each
-        row given as (a, b, c, d) in float64 (idle_rows.py): in float32, stored rounded."""
-        p = mx.nd.array(coefficients, ctx=self.ctx, dtype="float32")
-
-        def rule(w: mx.nd.NDArray, states: dict) -> None:
-            m = states["mom"]
-            moved = mx.nd.broadcast_mul(w, p[:, 0:1]) + mx.nd.broadcast_mul(m, p[:, 1:2])
-            mx.nd.broadcast_add(mx.nd.broadcast_mul(w, p[:, 2:3]),
-                                mx.nd.broadcast_mul(m, p[:, 3:4]), out=m)
-            w[:] = moved
-
-        self.apply(index, self._float32_rows("weight", self.weight, index), rule)
 
     def apply(self, index: mx.nd.NDArray | None, w: mx.nd.NDArray,
               rule: Callable[[mx.nd.NDArray, dict], None]) -> None:

@@ -59,6 +59,29 @@ class SGD:
             w, grad, states["mom"], out=w, **options))
 
 
+    def replay(self, centers: CenterRows, index: mx.nd.NDArray | None,
+               coefficients: np.ndarray) -> None:
+        """The steps rows `index` (None: all) missed while not sampled (the exact lazy
+        update, idle_rows.py): [w; m] <- P [w; m], each row's P as (a, b, c, d) in
+        float64, applied in float32. float32 rows on the CPU: one C++ pass in place;
+        otherwise gathered, moved by MXNet operators and stored rounded."""
+        p = mx.nd.array(coefficients, ctx=centers.ctx, dtype="float32")
+        if self.fused and index is not None and fused_kernel_applies(centers):
+            kernels.load()
+            mx.nd.pfc_replay_rows(centers.weight, centers.states["mom"], index, p,
+                                  threads=rank_threads(), out=centers.weight)
+            return
+
+        def rule(w: mx.nd.NDArray, states: dict) -> None:
+            m = states["mom"]
+            moved = mx.nd.broadcast_mul(w, p[:, 0:1]) + mx.nd.broadcast_mul(m, p[:, 1:2])
+            mx.nd.broadcast_add(mx.nd.broadcast_mul(w, p[:, 2:3]),
+                                mx.nd.broadcast_mul(m, p[:, 3:4]), out=m)
+            w[:] = moved
+
+        centers.apply(index, centers.sampled_weights(index), rule)
+
+
 def fused_kernel_applies(centers: CenterRows) -> bool:
     """The kernel's case: float32 rows and momentum, on the CPU."""
     return centers.ctx.device_type == "cpu" and all(

@@ -138,6 +138,18 @@ PFC_CLONES void sgd_momentum_row(float* w, float* m, const float* g, float lr, f
 }
 #pragma GCC pop_options
 
+// [w; m] <- [[a, b], [c, d]] [w; m] for one row and its momentum, p = (a, b, c, d): the
+// momentum and weight-decay steps the row missed while not sampled (pfc/idle_rows.py).
+PFC_CLONES void replay_row(float* w, float* m, const float* p, int64_t width) {
+  const float a = p[0], b = p[1], c = p[2], d = p[3];
+#pragma omp simd
+  for (int64_t j = 0; j < width; ++j) {
+    const float wj = w[j], mj = m[j];
+    w[j] = a * wj + b * mj;
+    m[j] = c * wj + d * mj;
+  }
+}
+
 // An attribute's number as the Python side wrote it, or false. strtof rather than
 // std::stof, which throws (an exception must not cross the library's C interface); the
 // decimal point is the C locale's, where Python leaves LC_NUMERIC.
@@ -360,7 +372,71 @@ MXReturnValue sgd_forward(const Attributes& attributes, std::vector<MXTensor>* i
   return MX_SUCCESS;
 }
 
+// replay_rows(weight, mom, index, coefficients) -> weight, and mom (mutated): rows
+// `index` of the weight and its momentum moved in place by their 2 x 2 (n x 4
+// coefficients, in the index's order). The rows must be distinct; `out` is the weight.
+MXReturnValue replay_arity(const Attributes& attributes, int* inputs, int* outputs) {
+  return arity(attributes, "replay_rows", {}, 4, 1, inputs, outputs);
+}
+
+MXReturnValue replay_types(const Attributes&, std::vector<int>* in_types,
+                           std::vector<int>* out_types) {
+  const auto& t = *in_types;
+  if (t[0] != kFloat32 || t[1] != kFloat32 || t[2] != kInt64 || t[3] != kFloat32) {
+    MX_ERROR_MSG << "replay_rows takes float32 weight, momentum and coefficients, and an "
+                    "int64 index";
+    return MX_FAIL;
+  }
+  (*out_types)[0] = kFloat32;
+  return MX_SUCCESS;
+}
+
+MXReturnValue replay_shapes(const Attributes&, Shapes* in, Shapes* out) {
+  const auto &weight = (*in)[0], &coefficients = (*in)[3];
+  if (!is_matrix(weight) || (*in)[1] != weight || !is_matrix(coefficients) ||
+      coefficients[1] != 4 || (*in)[2] != std::vector<unsigned int>{coefficients[0]}) {
+    MX_ERROR_MSG << "replay_rows needs an R x D weight and momentum, n indices and n x 4 "
+                    "coefficients";
+    return MX_FAIL;
+  }
+  (*out)[0] = weight;
+  return MX_SUCCESS;
+}
+
+MXReturnValue replay_forward(const Attributes& attributes, std::vector<MXTensor>* in,
+                             std::vector<MXTensor>* out, const OpResource&) {
+  float* weight = (*out)[0].data<float>();
+  const float* weight_in = (*in)[0].data<float>();
+  float* mom = (*in)[1].data<float>();
+  const int64_t* index = (*in)[2].data<int64_t>();
+  const float* coefficients = (*in)[3].data<float>();
+  const int64_t rows = (*in)[0].shape[0], width = (*in)[0].shape[1];
+  const int64_t sampled = (*in)[3].shape[0];
+  for (int64_t k = 0; k < sampled; ++k) {
+    if (index[k] < 0 || index[k] >= rows) {
+      MX_ERROR_MSG << "replay_rows: index " << index[k] << " is outside the " << rows
+                   << " rows";
+      return MX_FAIL;
+    }
+  }
+  if (weight != weight_in) {
+    MX_ERROR_MSG << "replay_rows updates in place: call it with out=weight";
+    return MX_FAIL;
+  }
+  for_each_row(attributes, sampled, [&](int64_t k) {
+    replay_row(weight + index[k] * width, mom + index[k] * width, coefficients + 4 * k, width);
+  });
+  return MX_SUCCESS;
+}
+
 }  // namespace
+
+REGISTER_OP(pfc_replay_rows)
+    .setParseAttrs(replay_arity)
+    .setInferType(replay_types)
+    .setInferShape(replay_shapes)
+    .setMutateInputs(sgd_mutates)
+    .setForward(replay_forward, "cpu");
 
 REGISTER_OP(pfc_sgd_momentum_rows)
     .setParseAttrs(sgd_arity)
