@@ -249,7 +249,7 @@ class Config:
         if self.center_update not in CENTER_UPDATES:
             return [f"center_update={self.center_update!r} must be one of "
                     f"{', '.join(map(repr, CENTER_UPDATES))}"]
-        if not self.center_lazy_update and self.center_update != "lazy":
+        if not self.center_lazy_update and self.center_update not in ("lazy", "dense"):
             return [f"center_lazy_update=False (the earlier switch, \"dense\") and "
                     f"center_update={self.center_update!r} disagree: give center_update only"]
         if update == "dense" and self.fp16_centers:
@@ -259,8 +259,8 @@ class Config:
                     "is float32 only"]
         if update == "exact" and self.center_optimizer != "sgd":
             return [f"center_update='exact' replays SGD's momentum and weight decay; the "
-                    f"{self.center_optimizer} optimizer of the centers updates lazily only: "
-                    "use center_update='lazy' or center_optimizer='sgd'"]
+                    f"{self.center_optimizer} optimizer of the centers has no such replay: "
+                    "use center_update='lazy' or 'dense', or center_optimizer='sgd'"]
         return []
 
     def centers_optimizer(self) -> CenterOptimizer:

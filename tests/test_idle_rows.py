@@ -13,6 +13,7 @@ from partial_fc_mx.pfc.center_optimizers.adamw import AdamW
 from partial_fc_mx.pfc.center_optimizers.sgd import SGD
 from partial_fc_mx.pfc.centers import ClassCenters, Shard, shard_of
 from partial_fc_mx.pfc.idle_rows import IdleSteps
+from partial_fc_mx.run.checkpoint import center_file
 
 MU, LAMBDA = 0.9, 5e-4
 CLASSES, DIM = 60, 8
@@ -151,19 +152,28 @@ def test_float16_centers_follow_a_float64_loop_within_their_rounding():
 
 
 def test_exact_is_sgds_alone():
-    with pytest.raises(ValueError, match="adamw optimizer of the centers updates lazily only"):
+    with pytest.raises(ValueError, match="adamw optimizer of the centers has no such replay"):
         ClassCenters(Shard(0, 10), DIM, AdamW(), ctx=mx.cpu(), exact=True)
 
 
 def test_a_run_with_the_exact_update_saves_current_rows_and_resumes_on_another_world_size(
         tmp_path, synthetic):
-    """center_update = "exact" from a config: 2 processes, a checkpoint (every row brought
-    current), resumed on 1 process; and refused with AdamW before any step."""
+    """center_update = "exact" from a config: 2 processes write the checkpoint a dense run
+    writes (every row brought current before the save), which resumes on 1 process; and
+    AdamW is refused before any step."""
     config = config_file(tmp_path, synthetic, center_update="exact", sample_rate=0.1,
                          max_steps=3, save_every=3)
     work = tmp_path / "work"
     first = mpirun(2, train_args(config, work), timeout=300)
     assert first.returncode == 0, first.stdout[-3000:]
+    dense = config_file(tmp_path, synthetic, name="dense.py", center_update="dense",
+                        sample_rate=0.1, max_steps=3, save_every=3)
+    assert mpirun(2, train_args(dense, tmp_path / "dense"), timeout=300).returncode == 0
+    for rank in (0, 1):
+        for name in ("weight", "mom"):
+            file = f"checkpoints/step_000003/{center_file(rank, name)}"
+            got, want = np.load(work / file), np.load(tmp_path / "dense" / file)
+            assert per_row_error(got, want) < 1e-4, (file, per_row_error(got, want))
     more = config_file(tmp_path, synthetic, name="more.py", center_update="exact",
                        sample_rate=0.1, max_steps=5)
     resumed = run(train_args(more, work, "--resume-from", str(work)), timeout=300)

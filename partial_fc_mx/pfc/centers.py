@@ -62,7 +62,7 @@ class ClassCenters:
             raise ValueError("lazy_update=False needs float32 centers")
         if exact and optimizer.name != "sgd":
             raise ValueError(f"the exact lazy update replays SGD's steps; the "
-                             f"{optimizer.name} optimizer of the centers updates lazily only")
+                             f"{optimizer.name} optimizer of the centers has no such replay")
         self.shard, self.embedding_size, self.optimizer = shard, embedding_size, optimizer
         self.ctx, self.dtype = ctx, dtype
         self.block_rows = block_rows or rows_per_block(embedding_size)
