@@ -207,8 +207,7 @@ def print_report(args, world: dist.World, everyone: list[dict]) -> None:
     against numpy's under the same conditions; then per host, the sums."""
     centers = "float16" if args.fp16_centers else "float32"
     print(f"Partial FC step: {world.size} ranks, batch {args.batch_size}/rank, "
-          f"D={args.embedding_size}, {centers} centers ({args.center_update} update), "
-          f"device {dist.device(0)}, "
+          f"D={args.embedding_size}, {centers} centers, device {dist.device(0)}, "
           f"MXNet {mx.__version__}")
     print("step = median wall ms of forward + backward + center update; the split comes "
           "from separate steps synchronized at every phase. Bandwidth and numpy's sgemm are "
