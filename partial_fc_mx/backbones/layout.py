@@ -13,22 +13,19 @@ from pathlib import Path
 import mxnet as mx
 
 
-def repeated_slope(name: str, saved: mx.nd.NDArray, shape: tuple) -> mx.nd.NDArray | None:
-    """`saved` repeated to `shape` when it is a per-layer PReLU slope (or its optimizer
-    state) and `shape` the per-channel one; None for anything else."""
-    if (name.endswith("alpha") and saved.shape == (1,) and len(shape) == 1
-            and shape[0] > 1):
-        return saved.broadcast_to(shape)
-    return None
+def is_per_layer_slope(name: str, saved: tuple, expected: tuple) -> bool:
+    """Whether parameter `name`, saved with shape `saved` where `expected` is wanted, is a
+    per-layer PReLU slope (or its optimizer state) to repeat over the channels."""
+    return (name.endswith("alpha") and tuple(saved) == (1,) and len(expected) == 1
+            and expected[0] > 1)
 
 
 def load_parameters(net: mx.gluon.Block, path: str | os.PathLike, ctx: mx.Context) -> None:
     """net.load_parameters, accepting the earlier layout's per-layer slopes."""
     saved = mx.nd.load(str(path))
     params = net._collect_params_with_prefix()
-    upgraded = {name: repeated_slope(name, value, params[name].shape)
-                for name, value in saved.items() if name in params}
-    upgraded = {name: value for name, value in upgraded.items() if value is not None}
+    upgraded = {name: value.broadcast_to(params[name].shape) for name, value in saved.items()
+                if name in params and is_per_layer_slope(name, value.shape, params[name].shape)}
     if not upgraded:
         net.load_parameters(str(path), ctx=ctx)
         return

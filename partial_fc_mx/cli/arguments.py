@@ -23,11 +23,12 @@ def fraction(text: str) -> float:
     return value
 
 
-def add_pictures(command: argparse.ArgumentParser, first: str, root: str, landmarks: str) -> None:
+def add_pictures(command: argparse.ArgumentParser, first: str, out: str, root: str,
+                 landmarks: str) -> None:
     """Where pack and make-bin read pictures (FIRST, OUT, --root) and how they prepare one
-    that is not 112x112 already."""
+    that is not 112x112 already; the strings are each argument's help."""
     command.add_argument(first)
-    command.add_argument("out", help="output directory" if first == "src" else "the .bin to write")
+    command.add_argument("out", help=out)
     command.add_argument("--root", default=".", help=root)
     command.add_argument("--landmarks", metavar="FILE", help=f"5 points per picture {landmarks}, "
                          "to align it: 'relative/path x1 y1 ... x5 y5' per line (IJB's "

