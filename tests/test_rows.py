@@ -126,16 +126,19 @@ def test_centers_scale_and_projection_match_float64(name, rows, width):
 @pytest.mark.parametrize("march", ["x86-64", "x86-64-v3"])
 def test_each_vector_width_the_library_carries_passes_the_same_tests(march, tmp_path):
     """The library picks its code by the CPU it loads on, and this machine runs only one
-    of the clones: built once per -march with no clones, the exp, softmax, projection and
-    SGD tests pass on the baseline (SSE2) and AVX2-with-FMA code too."""
+    of the clones: built once per -march with no clones, the exp, softmax, projection,
+    SGD and replay (exact update) tests pass on the baseline (SSE2) and AVX2-with-FMA
+    code too."""
     if march == "x86-64-v3" and not {"avx2", "fma"} <= cpu_flags():
         pytest.skip("this CPU cannot run AVX2 with FMA")
     here = Path(__file__).parent
     code = ("import sys, pytest; from partial_fc_mx.pfc import kernels; "
             f"kernels.FLAGS += ['-DPFC_CLONES=', '-march={march}']; "
             f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-k', "
-            "'exp or softmax or nan or scale_and_projection or bit_for_bit', "
-            f"{str(here / 'test_rows.py')!r}, {str(here / 'test_centers.py')!r}]))")
+            "'exp or softmax or nan or scale_and_projection or bit_for_bit or "
+            "exact_equals_dense', "
+            f"{str(here / 'test_rows.py')!r}, {str(here / 'test_centers.py')!r}, "
+            f"{str(here / 'test_idle_rows.py')!r}]))")
     env = {**os.environ, "PARTIAL_FC_MX_KERNELS": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", code], env=env, text=True, capture_output=True,
                           timeout=600)
