@@ -135,6 +135,9 @@ class Config:
     lr_steps: list = field(default_factory=list)
     """Multi-step schedule: lr x 0.1 after each of these steps, counted in steps of the
     global batch the run started with (schedule.py); empty: polynomial decay."""
+    lr_power: float = 2.0
+    """The polynomial decay's power: lr x (1 - progress)^lr_power. 2 is arcface_torch's
+    schedule until 2023; its train_v2.py decays with 1 since (docs/parity.md)."""
     max_steps: int = 0
     """Stop after this many steps of the global batch the run started with (a run
     resumed on more processes takes fewer, larger steps to get there); 0: num_epoch
@@ -167,7 +170,7 @@ class Config:
         from .backbones import unknown_network
 
         positive = ("num_classes", "embedding_size", "batch_size", "lr", "num_epoch",
-                    "frequent", "verbose", "center_lr_scale")
+                    "frequent", "verbose", "center_lr_scale", "lr_power")
         problems = [f"{key} must be > 0 (got {getattr(self, key)!r})" for key in positive
                     if not getattr(self, key) > 0]
         not_negative = ("num_workers", "max_steps", "warmup_epoch", "save_every",

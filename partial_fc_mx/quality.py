@@ -95,11 +95,7 @@ def split_data(work: Path, seed: int, synthetic: SyntheticSet | None = None) -> 
 def train_once(config: str, data: Path, overrides: list[str], work_dir: Path,
                processes: int) -> float:
     """Train one run as run.sh does; returns its wall time in minutes."""
-    launch = ["mpirun", "-np", str(processes), "-H", f"localhost:{processes}",
-              "--oversubscribe", "-bind-to", "none", "-map-by", "slot", "-x", "PATH",
-              "-x", "CONFIG"]
-    if os.geteuid() == 0:
-        launch.append("--allow-run-as-root")
+    launch = [*mpirun_on_this_host(processes), "-x", "CONFIG"]
     started = time.perf_counter()
     work_dir.mkdir(parents=True)
     classes = int((data / "property").read_text().split(",")[0])
@@ -113,6 +109,13 @@ def train_once(config: str, data: Path, overrides: list[str], work_dir: Path,
         raise SystemExit(f"training failed (exit {done.returncode}); its output: "
                          f"{work_dir / 'output.txt'}")
     return (time.perf_counter() - started) / 60
+
+
+def mpirun_on_this_host(processes: int) -> list[str]:
+    """mpirun starting `processes` here, as run.sh does, with PATH passed on."""
+    launch = ["mpirun", "-np", str(processes), "-H", f"localhost:{processes}",
+              "--oversubscribe", "-bind-to", "none", "-map-by", "slot", "-x", "PATH"]
+    return [*launch, "--allow-run-as-root"] if os.geteuid() == 0 else launch
 
 
 def run_key(config: str, data: Path, overrides: list[str], processes: int) -> dict:

@@ -212,7 +212,8 @@ def start(config: Config, resume_from: str | None, load_from: str | None) -> Run
                            resume_from, load_from)
     dist.broadcast_parameters(net.collect_params(), root_rank=0)
     schedule = Schedule.of(loader.num_images, state.reference_batch, config.num_epoch,
-                           config.max_steps, config.warmup_epoch, config.lr_steps)
+                           config.max_steps, config.warmup_epoch, config.lr_steps,
+                           config.lr_power)
     state.advance(loader.global_batch, loader.num_images, steps=0)  # no batch left in epoch?
     total = state.step + schedule.steps_left(state.epoch, state.images_in_epoch,
                                              loader.global_batch)
@@ -251,13 +252,19 @@ def build(config: Config, world: dist.World, ctx: mx.Context, dtype: str,
     validator = Validator([load_bin(p) for p in config.val_paths()] if world.is_main else [],
                           work_dir)
     net, model = build_backbone(config, ctx, dtype)
-    pfc = PartialFC(config.num_classes, config.embedding_size, rank=world.rank,
-                    world_size=world.size, ctx=ctx, sample_rate=config.sample_rate,
-                    margin=config.margin_function(), fp16_centers=config.fp16_centers,
-                    seed=config.seed, center_update=config.center_update_mode(),
-                    optimizer=config.centers_optimizer(), initialize_centers=fresh_centers)
-    return (work_dir, dataset, loader, validator, (net, model), pfc,
-            make_trainer(config, net))
+    return (work_dir, dataset, loader, validator, (net, model),
+            build_classifier(config, world, ctx, fresh_centers), make_trainer(config, net))
+
+
+def build_classifier(config: Config, world: dist.World, ctx: mx.Context,
+                     fresh_centers: bool = True) -> PartialFC:
+    """This rank's Partial FC as the config describes it (the parity study's arm
+    builds its classifier here too)."""
+    return PartialFC(config.num_classes, config.embedding_size, rank=world.rank,
+                     world_size=world.size, ctx=ctx, sample_rate=config.sample_rate,
+                     margin=config.margin_function(), fp16_centers=config.fp16_centers,
+                     seed=config.seed, center_update=config.center_update_mode(),
+                     optimizer=config.centers_optimizer(), initialize_centers=fresh_centers)
 
 
 def describe(config: Config, world: dist.World, ctx: mx.Context,

@@ -18,6 +18,16 @@ def test_warmup_then_polynomial_decay_to_zero():
     assert schedule.learning_rate(0.1, 900) == 0.0  # past the end: clamped, never negative
 
 
+@pytest.mark.parametrize("power", [1.0, 2.0])
+def test_the_decay_at_lr_power_is_arcface_torchs_at_that_power(power):
+    """PolynomialLRWarmup's closed form without warmup, step s of T: base (1 - s/T)^power
+    (train_v2.py's power is 1, its earlier PolyScheduler's 2)."""
+    schedule = Schedule.of(800, 8, num_epoch=2, max_steps=0, warmup_epoch=0, lr_steps=[],
+                           power=power)
+    ours = [schedule.learning_rate(0.1, 8 * step) for step in range(200)]
+    assert ours == pytest.approx([0.1 * (1 - step / 200) ** power for step in range(200)])
+
+
 def test_multi_step_divides_by_ten_at_each_step():
     schedule = Schedule.of(800, 8, num_epoch=1, max_steps=0, warmup_epoch=0, lr_steps=[60, 30])
     lrs = [schedule.learning_rate(0.1, 8 * s) for s in (0, 29, 30, 59, 60, 99)]

@@ -62,10 +62,12 @@ def run(args: argparse.Namespace) -> None:
     distributed.destroy_process_group()
 
 
-def load_reference(folder: Path) -> dict[str, ModuleType]:
-    """insightface's partial_fc_v2.py and losses.py, by their paths."""
+def load_reference(folder: Path, files: tuple[str, ...] = REFERENCE_FILES
+                   ) -> dict[str, ModuleType]:
+    """insightface's arcface_torch `files` (partial_fc_v2.py and losses.py), by their
+    paths, by their stems."""
     modules = {}
-    for name in REFERENCE_FILES:
+    for name in files:
         path = folder.resolve() / name
         if not path.is_file():
             raise UserError(f"{path} does not exist: --arcface-torch names the "

@@ -1,6 +1,7 @@
 """How long a run is and its learning rate at each point: linear warmup, then
-multi-step (the MXNet reference) or polynomial decay to zero with power 2
-(arcface_torch).
+multi-step (the MXNet reference) or polynomial decay to zero, with power 2 by default
+(arcface_torch's PolyScheduler until April 2023; its PolynomialLRWarmup since then
+decays with power 1 as train_v2.py uses it: config lr_power, docs/parity.md).
 
 Progress is counted in images, not steps: the position of epoch e, i images into
 its order, is e * N + i (N images per epoch; the remainder an epoch drops counts as
@@ -31,14 +32,16 @@ class Schedule:
     warmup: int
     decay_points: tuple = ()
     """Positions where the multi-step schedule divides the rate by 10; () = polynomial."""
+    power: float = 2.0
+    """Of the polynomial decay."""
 
     @classmethod
     def of(cls, epoch_images: int, reference_batch: int, num_epoch: int, max_steps: int,
-           warmup_epoch: float, lr_steps: list) -> Schedule:
+           warmup_epoch: float, lr_steps: list, power: float = 2.0) -> Schedule:
         schedule = cls(epoch_images, reference_batch, 0, round(warmup_epoch * epoch_images))
         end = schedule.after_steps(max_steps) if max_steps else num_epoch * epoch_images
         decay = tuple(sorted(schedule.after_steps(s) for s in lr_steps))
-        return cls(epoch_images, reference_batch, end, schedule.warmup, decay)
+        return cls(epoch_images, reference_batch, end, schedule.warmup, decay, power)
 
     def position(self, epoch: int, images_in_epoch: int) -> int:
         return epoch * self.epoch_images + images_in_epoch
@@ -60,7 +63,7 @@ class Schedule:
         if self.decay_points:
             return base_lr * 0.1 ** bisect.bisect_right(self.decay_points, position)
         progress = (position - self.warmup) / max(1, self.end - self.warmup)
-        return base_lr * (1 - min(progress, 1.0)) ** 2
+        return base_lr * (1 - min(progress, 1.0)) ** self.power
 
     def steps_left(self, epoch: int, images_in_epoch: int, global_batch: int) -> int:
         """Steps of `global_batch` from this point to the end."""

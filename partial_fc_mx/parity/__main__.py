@@ -1,0 +1,229 @@
+"""The parity study: ours and arcface_torch's own code trained on the same data with
+the same recipe over several seeds, scored by one evaluator, side by side.
+
+    python -m partial_fc_mx.parity --classes 3000 --seeds 0 1 2 --rates 1.0 0.1 \\
+        --arms ours-exact ours-lazy arcface_torch \\
+        --arcface-torch insightface/recognition/arcface_torch --torch-python torch-venv/bin/python
+
+Each arm of each seed and rate is kept in --work/<task>/<arm>-r<rate>: a finished run
+(its log.json) with the same recipe is not trained again, so arms, seeds and rates can
+be added and the tables printed again. One arm at a time: the machine's cores are the
+processes'. Seed s makes the task's data (task.py), the data order, the network's and
+the centres' initial values and the sampling; the two toolkits of one seed train on the
+same data in the same order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from ..quality import REPO, mpirun_on_this_host
+from .recipe import Recipe, command_line
+from .scoring import FARS, Score, score
+from .task import Task, load_task, write_task
+
+
+@dataclass(frozen=True)
+class Arm:
+    toolkit: str
+    """"ours" or "arcface_torch"."""
+    center_update: str = "dense"
+    power: float = 2.0
+    momentum_form: str = "own"
+
+
+ARMS = {"ours-exact": Arm("ours", "exact"), "ours-lazy": Arm("ours", "lazy"),
+        "ours-dense": Arm("ours", "dense"), "arcface_torch": Arm("arcface_torch"),
+        "ours-exact-power1": Arm("ours", "exact", power=1.0),
+        "arcface_torch-power1": Arm("arcface_torch", power=1.0),
+        "arcface_torch-mxnet-momentum": Arm("arcface_torch", momentum_form="mxnet")}
+"""arcface_torch's SGD updates every centre each step (dense); its train_v2.py decays
+the rate with power 1, ours with 2 (config lr_power): the study trains both toolkits
+with 2, and both with 1 in the -power1 arms; and its SGD applies the rate after the momentum, MXNet's
+before, measured by the arm that takes it before (recipe.py)."""
+
+
+@dataclass
+class Result:
+    scores: list[tuple[int, Score]]
+    """(step, score) along the run; the last is the model at the end."""
+    minutes: float
+    ms_per_step: float
+
+
+def launch(arm: Arm, recipe: Recipe, processes: int, args: argparse.Namespace) -> list[str]:
+    words = command_line(recipe)
+    if arm.toolkit == "ours":
+        return [*mpirun_on_this_host(processes), "-x", "OMP_NUM_THREADS", sys.executable,
+                "-m", "partial_fc_mx.parity.ours", *words]
+    if args.arcface_torch is None or args.torch_python is None:
+        raise SystemExit("arcface_torch's arms need --arcface-torch and --torch-python")
+    return [str(args.torch_python), "-m", "torch.distributed.run", "--nproc-per-node",
+            str(processes), "-m", "partial_fc_mx.parity.anchor", "--arcface-torch",
+            str(args.arcface_torch.resolve()), *words]
+
+
+def run_arm(arm: Arm, recipe: Recipe, args: argparse.Namespace) -> Result:
+    """Train (unless a finished run of the same recipe is there) and score the run."""
+    log_path = recipe.out / "log.json"
+    wanted = {k: str(v) for k, v in vars(recipe).items()}
+    finished = log_path.is_file() and json.loads(log_path.read_text())["recipe"] == wanted
+    if not finished:
+        for old in recipe.out.glob("*"):
+            old.unlink()
+        recipe.out.mkdir(parents=True, exist_ok=True)
+        environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+        with open(recipe.out / "output.txt", "w") as output:
+            done = subprocess.run(launch(arm, recipe, args.np, args), cwd=REPO,
+                                  env=environment, stdout=output, stderr=subprocess.STDOUT)
+        if done.returncode != 0:
+            raise SystemExit(f"the run failed (exit {done.returncode}); its output: "
+                             f"{recipe.out / 'output.txt'}")
+    log = json.loads(log_path.read_text())
+    return Result(scored(recipe), log["minutes"], log["ms_per_step"])
+
+
+def scored(recipe: Recipe) -> list[tuple[int, Score]]:
+    """Every embeddings file of the run scored (kept in scores.json beside them)."""
+    cache_path = recipe.out / "scores.json"
+    cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
+    data = None
+    results = []
+    for path in sorted(recipe.out.glob("embeddings-*.npy")):
+        if path.name not in cache:
+            data = data or load_task(recipe.task)
+            s = score(np.load(path), data["heldout_y"], data["pairs"], data["issame"])
+            cache[path.name] = [s.accuracy, s.fold_std, [s.tar[far] for far in FARS]]
+        accuracy, fold_std, tars = cache[path.name]
+        results.append((int(path.stem.split("-")[1]),
+                        Score(accuracy, fold_std, dict(zip(FARS, tars)))))
+    cache_path.write_text(json.dumps(cache))
+    return results
+
+
+def mean_std(values: list[float]) -> str:
+    if any(math.isnan(v) for v in values):
+        return "diverged"
+    spread = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.mean(values):.4f} ± {spread:.4f}"
+
+
+def difference(ours: list[float], anchor: list[float]) -> str:
+    """Difference of the means and its standard error (each arm's seeds independent)."""
+    if len(ours) < 2 or len(anchor) < 2:
+        return f"{statistics.mean(ours) - statistics.mean(anchor):+.4f} (one seed)"
+    error = math.sqrt(statistics.variance(ours) / len(ours)
+                      + statistics.variance(anchor) / len(anchor))
+    return f"{statistics.mean(ours) - statistics.mean(anchor):+.4f} ± {error:.4f}"
+
+
+METRICS = {"accuracy": lambda s: s.accuracy, "TAR@FAR=1e-3": lambda s: s.tar[1e-3],
+           "TAR@FAR=1e-4": lambda s: s.tar[1e-4]}
+
+
+def table(cells: dict, arms: list[str], baseline: str) -> str:
+    """One row per (classes, rate, arm): the end-of-run scores, mean ± std over seeds;
+    then each of our arms minus `baseline` (the anchor)."""
+    rows = ["| classes | sample_rate | arm | seeds | " + " | ".join(METRICS)
+            + " | minutes per run | ms/step |", "|---" * (6 + len(METRICS)) + "|"]
+    for (classes, rate), by_arm in cells.items():
+        for name in arms:
+            results = by_arm[name]
+            ends = [r.scores[-1][1] for r in results]
+            rows.append(f"| {classes:,} | {rate:g} | {name} | {len(results)} | "
+                        + " | ".join(mean_std([f(s) for s in ends]) for f in METRICS.values())
+                        + f" | {statistics.mean(r.minutes for r in results):.1f} | "
+                        f"{statistics.mean(r.ms_per_step for r in results):.0f} |")
+        if baseline in by_arm:
+            anchor = [r.scores[-1][1] for r in by_arm[baseline]]
+            for name in arms:
+                if name == baseline or ARMS[name].toolkit != "ours":
+                    continue
+                ours = [r.scores[-1][1] for r in by_arm[name]]
+                rows.append(f"| {classes:,} | {rate:g} | {name} − {baseline} | | " + " | ".join(
+                    difference([f(s) for s in ours], [f(s) for s in anchor])
+                    for f in METRICS.values()) + " | | |")
+    return "\n".join(rows)
+
+
+def plot(cells: dict, arms: list[str], folder: Path) -> None:
+    """TAR@FAR=1e-3 and accuracy along the run, each arm's mean over seeds, one figure
+    per (classes, rate)."""
+    from ..evaluation.drawing import pyplot
+
+    plt = pyplot()
+    folder.mkdir(parents=True, exist_ok=True)
+    for (classes, rate), by_arm in cells.items():
+        figure, axes = plt.subplots(1, 2, figsize=(10, 4))
+        for name in arms:
+            runs = by_arm[name]
+            steps = [step for step, _ in runs[0].scores]
+            for axis, metric in zip(axes, ("accuracy", "TAR@FAR=1e-3")):
+                curve = np.mean([[METRICS[metric](s) for _, s in r.scores] for r in runs], 0)
+                axis.plot(steps, curve, marker="o", label=name)
+                axis.set_xlabel("step")
+                axis.set_title(f"{metric}, C = {classes:,}, r = {rate:g}")
+        axes[0].legend()
+        figure.tight_layout()
+        figure.savefig(folder / f"c{classes}-r{rate:g}.png", dpi=80)
+        plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m partial_fc_mx.parity",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--classes", type=int, nargs="+", default=[3000])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--rates", type=float, nargs="+", default=[1.0, 0.1])
+    parser.add_argument("--arms", nargs="+", default=["ours-exact", "arcface_torch"],
+                        choices=sorted(ARMS))
+    parser.add_argument("--per-class", type=int, default=8)
+    parser.add_argument("--epochs", type=int, default=Recipe.epochs)
+    parser.add_argument("--np", type=int, default=2, help="processes per run")
+    parser.add_argument("--work", type=Path, default=Path("work_dirs/parity"))
+    parser.add_argument("--arcface-torch", type=Path,
+                        help="the recognition/arcface_torch folder of an insightface checkout")
+    parser.add_argument("--torch-python", type=Path,
+                        help="the python of an environment with torch (CPU) and numpy")
+    parser.add_argument("--plot", type=Path, metavar="DIR", help="also draw the curves")
+    args = parser.parse_args(argv)
+    work = args.work.resolve()
+    cells: dict = {}
+    for classes in args.classes:
+        for rate in args.rates:
+            by_arm = cells.setdefault((classes, rate), {})
+            for seed in args.seeds:
+                task = write_task(Task(classes, args.per_class, seed=seed), work / "data")
+                for name in args.arms:
+                    arm = ARMS[name]
+                    recipe = replace(Recipe(task, work / task.name / f"{name}-r{rate:g}"),
+                                     seed=seed, sample_rate=rate, epochs=args.epochs,
+                                     center_update=arm.center_update, power=arm.power,
+                                     momentum_form=arm.momentum_form)
+                    started = time.perf_counter()
+                    result = run_arm(arm, recipe, args)
+                    by_arm.setdefault(name, []).append(result)
+                    end = result.scores[-1][1]
+                    print(f"C={classes} r={rate:g} seed {seed} {name}: accuracy "
+                          f"{end.accuracy:.4f}, TAR@1e-3 {end.tar[1e-3]:.4f}, TAR@1e-4 "
+                          f"{end.tar[1e-4]:.4f} ({result.minutes:.1f} min to train; "
+                          f"{(time.perf_counter() - started) / 60:.1f} min here)", flush=True)
+    print(table(cells, args.arms, "arcface_torch"))
+    if args.plot:
+        plot(cells, args.arms, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

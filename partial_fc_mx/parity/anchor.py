@@ -1,0 +1,152 @@
+"""arcface_torch's arm of the parity study: the recipe (recipe.py) trained as its
+train_v2.py trains, with its own modules loaded from an insightface checkout
+unmodified (PartialFC_V2, CombinedMarginLoss, PolynomialLRWarmup): one torch SGD
+(momentum, weight decay) over the network and the centres, the network in
+DistributedDataParallel, the backbone's gradient clipped at norm 5, every rank seeded
+alike (train_v2.py's setup_seed). Only the data (task.py's arrays, in our loader's
+order) and the network (the MLP both arms share) are the study's. Runs in a torch
+environment (CPU, gloo) that has no MXNet:
+
+    PYTHONPATH=<this repository> torch-venv/bin/torchrun --nproc-per-node 2 \\
+        -m partial_fc_mx.parity.anchor --arcface-torch insightface/recognition/arcface_torch \\
+        --task DIR --out DIR --sample-rate 0.1
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from ..bench.anchor import load_reference
+from ..pfc.threads import rank_threads
+from .recipe import Recipe, add_arguments, evaluation_steps, from_args, write_log
+from .task import INPUT, load_task, rank_rows, steps_per_epoch
+
+FILES = ("partial_fc_v2.py", "losses.py", "lr_scheduler.py")
+
+
+def mlp(torch, recipe: Recipe):
+    """The study's network (recipe.py): torch's default nn.Linear initialisation is
+    the +-1/sqrt(fan_in) uniform ours draws (kaiming_uniform with a = sqrt(5))."""
+    layers, fan_in = [], INPUT
+    for width in (recipe.hidden, recipe.hidden):
+        layers += [torch.nn.Linear(fan_in, width, bias=False), torch.nn.BatchNorm1d(width),
+                   torch.nn.PReLU(width)]
+        fan_in = width
+    layers += [torch.nn.Linear(fan_in, recipe.embedding_size, bias=False),
+               torch.nn.BatchNorm1d(recipe.embedding_size)]
+    return torch.nn.Sequential(*layers)
+
+
+def accept_verbose(torch) -> None:
+    """arcface_torch's lr_scheduler.py passes `verbose` (only printing) to the base
+    class, which torch removed after 2.6: where it is gone, the legacy base class its
+    PolynomialLRWarmup derives from takes the word and drops it, so their file runs
+    unchanged."""
+    legacy = torch.optim.lr_scheduler._LRScheduler
+    if "verbose" in inspect.signature(torch.optim.lr_scheduler.LRScheduler.__init__).parameters:
+        return
+    base = legacy.__init__
+
+    def init(self, optimizer, last_epoch=-1, verbose=False):
+        base(self, optimizer, last_epoch=last_epoch)
+
+    legacy.__init__ = init
+
+
+def step_with_rate_inside(torch, optimizer) -> None:
+    """torch's SGD step as MXNet's: each gradient and the weight decay scaled by the
+    step's rate, the step taken at rate 1, so the momentum accumulates lr (g + wd w)
+    (the diagnostic arm arcface_torch-mxnet-momentum; the scheduler's rates stay)."""
+    saved = [(group["lr"], group["weight_decay"]) for group in optimizer.param_groups]
+    for group, (lr, decay) in zip(optimizer.param_groups, saved):
+        for parameter in group["params"]:
+            if parameter.grad is not None:
+                parameter.grad.mul_(lr)
+        group["lr"], group["weight_decay"] = 1.0, lr * decay
+    optimizer.step()
+    for group, (lr, decay) in zip(optimizer.param_groups, saved):
+        group["lr"], group["weight_decay"] = lr, decay
+
+
+def train(recipe: Recipe, arcface_torch: Path) -> None:
+    reference = load_reference(arcface_torch, FILES)  # before any collective: fails alike
+    import torch
+    from torch import distributed
+
+    distributed.init_process_group("gloo")  # torchrun's environment
+    rank, world = distributed.get_rank(), distributed.get_world_size()
+    torch.set_num_threads(rank_threads())
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # the reference moves tensors
+    torch.manual_seed(recipe.seed)  # train_v2.py's setup_seed: every rank alike
+    data = load_task(recipe.task)
+    x, y = torch.from_numpy(data["train_x"]), torch.from_numpy(data["train_y"])
+    num_classes = int(y.max()) + 1
+    backbone = torch.nn.parallel.DistributedDataParallel(mlp(torch, recipe),
+                                                         broadcast_buffers=False)
+    margin = reference["losses"].CombinedMarginLoss(64, 1.0, 0.5, 0.0)
+    pfc = reference["partial_fc_v2"].PartialFC_V2(margin, recipe.embedding_size, num_classes,
+                                                  recipe.sample_rate, False)
+    optimizer = torch.optim.SGD([{"params": backbone.parameters()},
+                                 {"params": pfc.parameters()}], lr=recipe.lr,
+                                momentum=recipe.momentum, weight_decay=recipe.weight_decay)
+    global_batch = recipe.batch_size * world
+    per_epoch = steps_per_epoch(len(y), global_batch)
+    total = per_epoch * recipe.epochs
+    accept_verbose(torch)
+    scheduler = reference["lr_scheduler"].PolynomialLRWarmup(optimizer, warmup_iters=0,
+                                                             total_iters=total,
+                                                             power=recipe.power)
+    evaluate_at = evaluation_steps(total, recipe.evaluations)
+    heldout = torch.from_numpy(data["heldout_x"])
+    losses, seconds, step = [], [], 0
+    started = time.perf_counter()
+    for epoch in range(recipe.epochs):
+        for rows in rank_rows(len(y), global_batch, recipe.seed, epoch, rank, world):
+            begin = time.perf_counter()
+            rows = torch.from_numpy(rows)
+            loss = pfc(backbone(x[rows]), y[rows].clone())  # it rewrites its labels
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(backbone.parameters(), recipe.clip_grad)
+            if recipe.momentum_form == "mxnet":
+                step_with_rate_inside(torch, optimizer)
+            else:
+                optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+            losses.append(loss.item())
+            seconds.append(time.perf_counter() - begin)
+            step += 1
+            if step in evaluate_at and rank == 0:
+                module = backbone.module.eval()
+                with torch.no_grad():
+                    np.save(recipe.out / f"embeddings-{step:06d}.npy", module(heldout).numpy())
+                module.train()
+    if rank == 0:
+        write_log(recipe, "arcface_torch", losses, seconds, time.perf_counter() - started,
+                  total)
+    distributed.barrier()
+    distributed.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m partial_fc_mx.parity.anchor",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arcface-torch", type=Path, required=True,
+                        help="the recognition/arcface_torch folder of an insightface checkout")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    recipe = replace(from_args(args), center_update="dense")  # torch's SGD: every row
+    recipe.out.mkdir(parents=True, exist_ok=True)
+    train(recipe, args.arcface_torch)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

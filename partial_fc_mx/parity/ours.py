@@ -1,0 +1,111 @@
+"""Our arm of the parity study: the recipe (recipe.py) trained with this toolkit's own
+step, `train.train_step` (the trainer's: Partial FC's forward and backward, the
+backbone's Horovod-averaged update with its gradient clipped, the centres' update),
+its classifier as the trainer builds it from a config, its learning-rate schedule
+(run/schedule.py) and its backbone optimizer; only the data (task.py's arrays in our
+loader's order) and the network (the MLP both arms share) are the study's.
+
+    mpirun -np 2 python -m partial_fc_mx.parity.ours --task DIR --out DIR --sample-rate 0.1
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from types import SimpleNamespace
+
+import mxnet as mx
+import numpy as np
+from mxnet.gluon import nn
+
+from .. import dist
+from ..backbones.iresnet import prelu
+from ..config import Config
+from ..data.loader import Batch
+from ..run.precision import LossScaler
+from ..run.schedule import Schedule
+from ..train import build_classifier, make_trainer, train_step
+from .recipe import Recipe, evaluation_steps, parse, write_log
+from .task import INPUT, load_task, rank_rows, steps_per_epoch
+
+
+def mlp(recipe: Recipe) -> nn.HybridSequential:
+    """The study's network (recipe.py), its Linear weights uniform in +-1/sqrt(fan_in)."""
+    net = nn.HybridSequential()
+    fan_in = INPUT
+    for width in (recipe.hidden, recipe.hidden):
+        net.add(dense(width, fan_in), nn.BatchNorm(in_channels=width), prelu(width))
+        fan_in = width
+    net.add(dense(recipe.embedding_size, fan_in),
+            nn.BatchNorm(in_channels=recipe.embedding_size))
+    return net
+
+
+def dense(width: int, fan_in: int) -> nn.Dense:
+    return nn.Dense(width, use_bias=False, in_units=fan_in,
+                    weight_initializer=mx.init.Uniform(1 / np.sqrt(fan_in)))
+
+
+def recipe_config(recipe: Recipe, num_classes: int) -> Config:
+    """The trainer's config for `recipe` (ArcFace s = 64, m = 0.5; SGD), validated."""
+    config = Config(num_classes=num_classes, embedding_size=recipe.embedding_size,
+                    sample_rate=recipe.sample_rate, batch_size=recipe.batch_size,
+                    lr=recipe.lr, momentum=recipe.momentum,
+                    weight_decay=recipe.weight_decay, clip_grad=recipe.clip_grad,
+                    center_update=recipe.center_update, seed=recipe.seed,
+                    margin_list=(1.0, 0.5, 0.0), scale=64.0, num_epoch=recipe.epochs,
+                    lr_power=recipe.power)
+    config.validate()
+    return config
+
+
+def train(recipe: Recipe) -> None:
+    if recipe.momentum_form != "own":
+        raise SystemExit("--momentum-form: ours is MXNet's SGD (the rate inside the "
+                         "momentum) only; 'mxnet' is for arcface_torch's arm")
+    world, ctx = dist.init(), mx.cpu()
+    data = load_task(recipe.task)
+    x, y = data["train_x"], data["train_y"]
+    config = recipe_config(recipe, int(y.max()) + 1)
+    config.check_world_size(world.size)
+    mx.random.seed(recipe.seed)
+    net = mlp(recipe)
+    net.initialize(ctx=ctx)
+    net.hybridize(static_alloc=True)
+    net(mx.nd.zeros((2, INPUT), ctx=ctx))
+    dist.broadcast_parameters(net.collect_params(), root_rank=0)
+    run = SimpleNamespace(trainer=make_trainer(config, net), scaler=LossScaler(False),
+                          ctx=ctx, model=net, net=net, world=world, config=config,
+                          pfc=build_classifier(config, world, ctx))
+    global_batch = recipe.batch_size * world.size
+    schedule = Schedule.of(len(y), global_batch, recipe.epochs, 0, 0.0, [], config.lr_power)
+    per_epoch = steps_per_epoch(len(y), global_batch)
+    total = per_epoch * recipe.epochs
+    evaluate_at = evaluation_steps(total, recipe.evaluations)
+    losses, seconds, step = [], [], 0
+    started = time.perf_counter()
+    for epoch in range(recipe.epochs):
+        for rows in rank_rows(len(y), global_batch, recipe.seed, epoch, world.rank,
+                              world.size):
+            lr = schedule.learning_rate(config.lr, schedule.position(
+                epoch, (step % per_epoch) * global_batch))
+            begin = time.perf_counter()
+            losses.append(train_step(run, Batch(mx.nd.array(x[rows], ctx=ctx), y[rows]), lr))
+            seconds.append(time.perf_counter() - begin)
+            step += 1
+            if step in evaluate_at and world.is_main:
+                embeddings = net(mx.nd.array(data["heldout_x"], ctx=ctx)).asnumpy()
+                np.save(recipe.out / f"embeddings-{step:06d}.npy", embeddings)
+    if world.is_main:
+        write_log(recipe, "ours", losses, seconds, time.perf_counter() - started, total)
+
+
+def main(argv: list[str] | None = None) -> int:
+    recipe = parse(argv, "python -m partial_fc_mx.parity.ours", __doc__.split("\n\n")[0])
+    recipe.out.mkdir(parents=True, exist_ok=True)
+    train(recipe)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

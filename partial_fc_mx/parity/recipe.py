@@ -1,0 +1,92 @@
+"""What both arms train: one argument parser, so that an arm of either toolkit is
+started with the same words and cannot drift from the other.
+
+The network is a small MLP written the same way in both toolkits: Linear (no bias)
+-> BatchNorm -> PReLU (per channel), twice, then Linear (no bias) -> BatchNorm as the
+embedding (the shape of a face backbone's head). Its Linear weights start uniform in
++-1/sqrt(fan_in) in both (torch's default for nn.Linear; MXNet's is not), BatchNorm at
+gamma 1, beta 0, PReLU slopes at 0.25. The classifier is each toolkit's own: ArcFace
+(s = 64, m = 0.5) over class centres drawn N(0, 0.01), SGD with momentum and weight
+decay on the network and the centres, polynomial decay of the learning rate to zero
+from the first step, the backbone's gradient clipped at norm 5 (arcface_torch's
+train_v2.py does so always; ours with clip_grad = 5)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Recipe:
+    task: Path
+    """A folder task.write_task made."""
+    out: Path
+    seed: int = 0
+    sample_rate: float = 1.0
+    epochs: int = 10
+    batch_size: int = 128
+    """Per process."""
+    lr: float = 0.1
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    embedding_size: int = 128
+    hidden: int = 512
+    clip_grad: float = 5.0
+    power: float = 2.0
+    """Of the polynomial decay: our default (config lr_power) is 2; arcface_torch's
+    PolynomialLRWarmup defaults to 1 (train_v2.py does not set it)."""
+    center_update: str = "exact"
+    """Ours only: "exact", "lazy" or "dense". arcface_torch's dense SGD is "dense"."""
+    momentum_form: str = "own"
+    """arcface_torch only: "mxnet" makes its SGD take the rate inside the momentum, as
+    MXNet's does (m <- mu m - lr (g + wd w); w <- w + m), where torch's applies it
+    after (m <- mu m + g + wd w; w <- w - lr m); the two agree only at a constant rate."""
+    evaluations: int = 10
+    """Held-out embeddings written this many times along the run (the curves)."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--task", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True,
+                        help="where rank 0 writes the held-out embeddings and the log")
+    for name, value in vars(Recipe(Path(), Path())).items():
+        if name not in ("task", "out"):
+            parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+
+
+def from_args(args: argparse.Namespace) -> Recipe:
+    return Recipe(**{name: getattr(args, name) for name in Recipe.__dataclass_fields__})
+
+
+def command_line(recipe: Recipe) -> list[str]:
+    """The arguments that make `recipe` again (the study launches arms with them)."""
+    words = []
+    for name, value in vars(recipe).items():
+        words += [f"--{name.replace('_', '-')}", str(value)]
+    return words
+
+
+def parse(argv: list[str] | None, prog: str, description: str) -> Recipe:
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_arguments(parser)
+    return from_args(parser.parse_args(argv))
+
+
+def evaluation_steps(total_steps: int, count: int) -> list[int]:
+    """The steps after which the held-out embeddings are written: `count` of them,
+    evenly spread, the last step included."""
+    return sorted({max(1, round(total_steps * (k + 1) / count)) for k in range(count)})
+
+
+def write_log(recipe: Recipe, toolkit: str, losses: list[float], seconds: list[float],
+              wall: float, total: int) -> None:
+    """log.json beside the embeddings: written last, so its presence marks a finished
+    arm. The loss every 10 steps (the global batch's mean over the sampled classes)."""
+    log = {"toolkit": toolkit, "recipe": {k: str(v) for k, v in vars(recipe).items()},
+           "steps": total, "minutes": wall / 60,
+           "ms_per_step": 1000 * statistics.median(seconds), "loss": losses[::10]}
+    (recipe.out / "log.json").write_text(json.dumps(log))

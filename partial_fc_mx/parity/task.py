@@ -1,0 +1,160 @@
+"""The scale task: many identities that a cheap network can learn, so that the
+classifier, not the backbone, is what a run spends its time on.
+
+Every identity is a point of a 32-d latent space. Identities come in look-alike
+families (a family's members scatter around its centre, as relatives and
+look-alikes do among faces), and each sample is a noisy view of its identity's point
+passed with a view's nuisance (pose, light) through a fixed random non-linear map into
+64 dimensions: the network has to undo the map, ignore the nuisance and the noise,
+and tell family members apart. The held-out identities come from families of their
+own, never seen in training.
+
+Both arms read the files written here (numpy only: the torch arm imports this module
+too) and train in the order `rank_rows` gives, the order our loader uses: every
+epoch a permutation of the samples from (seed, epoch), global batch k taking
+positions kG .. (k+1)G - 1 and rank r every W-th of them from r.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+LATENT = 32
+"""Dimensions of the identity space."""
+INPUT = 64
+"""Dimensions of a sample: what the network reads."""
+MAP_WIDTH = 256
+FAMILY = 10
+"""Identities per look-alike family."""
+FAMILY_SPREAD = 0.5
+"""How far a family's members lie from its centre (the centres' spread is 1)."""
+VIEW_NOISE = 0.4
+"""How far a sample lies from its identity's point, per latent dimension."""
+NUISANCE = 16
+"""Dimensions of what changes from view to view whoever is seen (pose and light, in
+faces), drawn N(0, 1) per sample and mapped together with the identity: it dominates
+the raw input, so the input's own cosine verifies poorly (scored beside the arms)."""
+
+
+@dataclass(frozen=True)
+class Task:
+    classes: int
+    per_class: int = 8
+    heldout: int = 1000
+    """Held-out identities: all pairs of their samples are scored."""
+    heldout_per_class: int = 5
+    pairs: int = 3000
+    """Genuine pairs of the 10-fold protocol, and as many impostor pairs (half of them
+    family members)."""
+    seed: int = 0
+
+    @property
+    def name(self) -> str:
+        return (f"latent{self.classes}x{self.per_class}-heldout{self.heldout}"
+                f"x{self.heldout_per_class}-seed{self.seed}")
+
+
+FILES = ("train_x.npy", "train_y.npy", "heldout_x.npy", "heldout_y.npy", "pairs.npy",
+         "issame.npy")
+
+
+def random_map(rng: np.random.Generator):
+    """The fixed non-linear map from the latent space to a sample (one per task seed)."""
+    first = rng.standard_normal((LATENT + NUISANCE, MAP_WIDTH)) * (
+        1.5 / np.sqrt(LATENT + NUISANCE))
+    second = rng.standard_normal((MAP_WIDTH, INPUT)) / np.sqrt(MAP_WIDTH)
+
+    def apply(points: np.ndarray) -> np.ndarray:
+        return (np.tanh(points @ first) @ second).astype(np.float32)
+
+    return apply
+
+
+def identity_points(rng: np.random.Generator, count: int) -> np.ndarray:
+    """`count` identities, FAMILY by FAMILY around shared centres (count x LATENT);
+    identity i belongs to family i // FAMILY."""
+    centres = rng.standard_normal((-(-count // FAMILY), LATENT))
+    members = centres.repeat(FAMILY, axis=0)[:count]
+    return members + FAMILY_SPREAD * rng.standard_normal((count, LATENT))
+
+
+def samples(rng: np.random.Generator, points: np.ndarray, per_class: int, apply):
+    """`per_class` views of every identity, class by class: (x, labels)."""
+    labels = np.arange(len(points)).repeat(per_class)
+    x = np.empty((len(labels), INPUT), np.float32)
+    for start in range(0, len(labels), 65536):  # bounded temporaries at 100k classes
+        rows = labels[start:start + 65536]
+        noisy = points[rows] + VIEW_NOISE * rng.standard_normal((len(rows), LATENT))
+        view = rng.standard_normal((len(rows), NUISANCE))
+        x[start:start + len(rows)] = apply(np.concatenate([noisy, view], axis=1))
+    return x, labels.astype(np.int64)
+
+
+def verification_pairs(rng: np.random.Generator, labels: np.ndarray, count: int):
+    """`count` genuine pairs and `count` impostor pairs of the held-out samples, half
+    of the impostors from one family, shuffled: (pairs (2 count x 2), issame)."""
+    by_class = np.arange(len(labels)).reshape(-1, np.bincount(labels)[0])  # class by class
+    classes, per_class = by_class.shape
+    who = rng.integers(0, classes, count)
+    first, second = (rng.permuted(np.tile(np.arange(per_class), (count, 1)), axis=1)[:, :2]
+                     .T)
+    genuine = np.stack([by_class[who, first], by_class[who, second]], axis=1)
+    a = rng.integers(0, classes, count)
+    family_mate = (a // FAMILY) * FAMILY + rng.integers(1, FAMILY, count)
+    anyone = (a + rng.integers(1, classes, count)) % classes
+    b = np.where(np.arange(count) % 2 == 0, family_mate, anyone)
+    b = np.where(b >= classes, anyone, b)  # the last family may be short
+    b = np.where(b == a, (a + 1) % classes, b)
+    impostor = np.stack([by_class[a, rng.integers(0, per_class, count)],
+                         by_class[b, rng.integers(0, per_class, count)]], axis=1)
+    order = rng.permutation(2 * count)  # every fold of the protocol gets both kinds
+    return np.concatenate([genuine, impostor])[order], order < count
+
+
+def write_task(task: Task, folder: Path) -> Path:
+    """The task's files in folder/<task.name> (kept: made once per task)."""
+    out = Path(folder) / task.name
+    if (out / "task.json").is_file():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng([task.seed, 2038])
+    apply = random_map(rng)
+    points = identity_points(rng, task.classes + task.heldout)
+    train_x, train_y = samples(rng, points[:task.classes], task.per_class, apply)
+    heldout_x, heldout_y = samples(rng, points[task.classes:], task.heldout_per_class, apply)
+    pairs, issame = verification_pairs(rng, heldout_y, task.pairs)
+    for name, array in zip(FILES, (train_x, train_y, heldout_x, heldout_y, pairs, issame)):
+        np.save(out / name, array)
+    (out / "task.json").write_text(json.dumps(asdict(task)))
+    return out
+
+
+def load_task(folder: Path) -> dict[str, np.ndarray]:
+    """The arrays write_task saved, by name (train_x, ...); a missing file named."""
+    arrays = {}
+    for name in FILES:
+        path = Path(folder) / name
+        if not path.is_file():
+            raise SystemExit(f"{path} does not exist: make the task with "
+                             "`python -m partial_fc_mx.parity` (it writes it first)")
+        arrays[name.removesuffix(".npy")] = np.load(path)
+    return arrays
+
+
+def steps_per_epoch(samples_count: int, global_batch: int) -> int:
+    return samples_count // global_batch
+
+
+def rank_rows(samples_count: int, global_batch: int, seed: int, epoch: int, rank: int,
+              world: int) -> np.ndarray:
+    """This rank's sample indices for every step of `epoch` (steps x B), in our
+    loader's order (data/loader.py): the remainder that fills no global batch dropped."""
+    order = np.random.default_rng([seed, epoch]).permutation(samples_count)
+    steps = steps_per_epoch(samples_count, global_batch)
+    batch = global_batch // world
+    positions = rank + world * np.arange(steps * batch)
+    return order[positions].reshape(steps, batch)

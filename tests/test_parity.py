@@ -1,0 +1,135 @@
+"""The parity harness (docs/parity.md) on a few steps: the data both toolkits train on,
+the order they read it in, the one evaluator, and our arm training for real under
+mpirun. arcface_torch's arm needs torch and an insightface checkout: it is a
+documented command (docs/parity.md), not a test."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import mpirun
+
+from partial_fc_mx.data.loader import FaceLoader
+from partial_fc_mx.parity.__main__ import Result, difference, scored, table
+from partial_fc_mx.parity.recipe import Recipe, command_line, evaluation_steps, parse
+from partial_fc_mx.parity.scoring import all_pairs, score
+from partial_fc_mx.parity.task import FAMILY, Task, load_task, rank_rows, write_task
+
+SMALL = Task(classes=60, per_class=4, heldout=40, heldout_per_class=3, pairs=60)
+
+
+@pytest.fixture(scope="module")
+def small_task(tmp_path_factory) -> Path:
+    return write_task(SMALL, tmp_path_factory.mktemp("parity"))
+
+
+def test_the_task_is_made_again_from_its_seed_alone(small_task, tmp_path):
+    again = write_task(SMALL, tmp_path)
+    other = write_task(Task(**{**vars(SMALL), "seed": 1}), tmp_path)
+    first, second, third = load_task(small_task), load_task(again), load_task(other)
+    for name, array in first.items():
+        np.testing.assert_array_equal(array, second[name], err_msg=name)
+    assert not np.array_equal(first["train_x"], third["train_x"])
+    assert first["train_x"].shape == (60 * 4, 64) and first["train_x"].dtype == np.float32
+    np.testing.assert_array_equal(first["train_y"], np.arange(60).repeat(4))
+    assert first["heldout_x"].shape == (40 * 3, 64)
+
+
+def test_the_pairs_are_what_they_say_and_both_kinds_fill_every_fold(small_task):
+    data = load_task(small_task)
+    labels, pairs, issame = data["heldout_y"], data["pairs"], data["issame"]
+    assert issame.sum() == (~issame).sum() == 60
+    np.testing.assert_array_equal(labels[pairs[:, 0]] == labels[pairs[:, 1]], issame)
+    assert (pairs[:, 0] != pairs[:, 1]).all()  # a genuine pair is two samples
+    impostors = pairs[~issame]
+    same_family = labels[impostors[:, 0]] // FAMILY == labels[impostors[:, 1]] // FAMILY
+    assert 0.3 < same_family.mean() < 0.8  # half are family members (and a few by chance)
+    for fold in np.array_split(issame, 10):
+        assert fold.any() and not fold.all()
+
+
+class Positions:
+    """A dataset whose record id is the position in its order: what FaceLoader reads."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def record_ids(self, order: np.ndarray) -> np.ndarray:
+        return order
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_both_arms_read_the_samples_in_our_loaders_order(world):
+    for epoch in (0, 3):
+        loader = FaceLoader(Positions(1000), 16, rank=0, world_size=world, seed=5)
+        for rank in range(world):
+            loader.rank = rank
+            np.testing.assert_array_equal(rank_rows(1000, 16 * world, 5, epoch, rank, world),
+                                          loader.record_ids(epoch))
+
+
+def test_all_pairs_and_the_scores_of_perfect_and_useless_embeddings():
+    rng = np.random.default_rng(0)
+    labels = np.arange(30).repeat(4)
+    embeddings = rng.standard_normal((120, 8)).astype(np.float32)
+    similarity, same = all_pairs(embeddings, labels)
+    unit = embeddings / np.linalg.norm(embeddings, axis=1, keepdims=True)
+    i, j = np.triu_indices(120, 1)
+    np.testing.assert_allclose(similarity, (unit[i] * unit[j]).sum(1), atol=1e-6)
+    np.testing.assert_array_equal(same, labels[i] == labels[j])
+    pairs = np.stack([i, j], 1)[::7]
+    issame = labels[pairs[:, 0]] == labels[pairs[:, 1]]
+    perfect = np.eye(30, dtype=np.float32)[labels] + 0.01 * embeddings[:, :1]
+    assert score(perfect, labels, pairs, issame).accuracy == 1.0
+    useless = score(embeddings, labels, pairs, issame)
+    assert useless.accuracy < 0.97  # chance: the share of impostor pairs
+    assert useless.tar[1e-3] < 0.2
+    assert np.isnan(score(embeddings * np.nan, labels, pairs, issame).accuracy)
+
+
+def test_a_recipe_survives_its_command_line():
+    recipe = Recipe(Path("/t"), Path("/o"), seed=3, sample_rate=0.1, center_update="lazy",
+                    power=1.0)
+    assert parse(command_line(recipe), "x", "") == recipe
+    assert evaluation_steps(930, 10)[-1] == 930 and len(evaluation_steps(930, 10)) == 10
+    assert evaluation_steps(3, 10) == [1, 2, 3]
+
+
+def test_the_table_gives_each_arm_mean_and_spread_and_the_difference_with_its_error():
+    from partial_fc_mx.parity.scoring import Score
+
+    def result(accuracy):
+        return Result([(10, Score(accuracy, 0.01, {1e-3: accuracy - 0.1, 1e-4: 0.5}))], 1.0, 5)
+
+    cells = {(3000, 0.1): {"ours-exact": [result(0.90), result(0.92)],
+                           "arcface_torch": [result(0.88), result(0.90)]}}
+    text = table(cells, ["ours-exact", "arcface_torch"], "arcface_torch")
+    assert "| 3,000 | 0.1 | ours-exact | 2 | 0.9100 ± 0.0141 |" in text
+    assert "| ours-exact − arcface_torch | | +0.0200 ± 0.0141 |" in text
+    assert difference([0.9], [0.8]) == "+0.1000 (one seed)"
+
+
+def test_our_arm_trains_for_real_and_its_embeddings_are_scored(small_task, tmp_path):
+    out = tmp_path / "ours"
+    recipe = Recipe(small_task, out, sample_rate=0.5, epochs=2, batch_size=16,
+                    hidden=32, embedding_size=16, evaluations=2)
+    done = mpirun(2, [sys.executable, "-m", "partial_fc_mx.parity.ours",
+                      *command_line(recipe)], timeout=180)
+    assert done.returncode == 0, done.stdout
+    log = json.loads((out / "log.json").read_text())
+    steps = (60 * 4 // 32) * 2
+    assert log["steps"] == steps and log["toolkit"] == "ours"
+    assert all(np.isfinite(log["loss"])) and log["loss"][0] > 0
+    assert sorted(p.name for p in out.glob("embeddings-*.npy")) == [
+        f"embeddings-{steps // 2:06d}.npy", f"embeddings-{steps:06d}.npy"]
+    first, last = scored(recipe)
+    assert first[0] == steps // 2 and last[0] == steps
+    assert 0.5 <= last[1].accuracy <= 1.0
+    assert json.loads((out / "scores.json").read_text())  # kept: not scored twice
