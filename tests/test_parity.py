@@ -14,7 +14,7 @@ import pytest
 from conftest import mpirun
 
 from partial_fc_mx.data.loader import FaceLoader
-from partial_fc_mx.parity.__main__ import Result, difference, scored, table
+from partial_fc_mx.parity.__main__ import Result, difference, same_recipe, scored, table
 from partial_fc_mx.parity.recipe import Recipe, command_line, evaluation_steps, parse
 from partial_fc_mx.parity.scoring import all_pairs, score
 from partial_fc_mx.parity.task import FAMILY, Task, load_task, rank_rows, write_task
@@ -112,7 +112,7 @@ def test_the_table_gives_each_arm_mean_and_spread_and_the_difference_with_its_er
                            "arcface_torch": [result(0.88), result(0.90)]}}
     text = table(cells, ["ours-exact", "arcface_torch"], "arcface_torch")
     assert "| 3,000 | 0.1 | ours-exact | 2 | 0.9100 ± 0.0141 |" in text
-    assert "| ours-exact − arcface_torch | | +0.0200 ± 0.0141 |" in text
+    assert "| ours-exact − arcface_torch | | +0.0200 ± 0.0141 (paired ± 0.0000) |" in text
     assert difference([0.9], [0.8]) == "+0.1000 (one seed)"
 
 
@@ -133,3 +133,13 @@ def test_our_arm_trains_for_real_and_its_embeddings_are_scored(small_task, tmp_p
     assert first[0] == steps // 2 and last[0] == steps
     assert 0.5 <= last[1].accuracy <= 1.0
     assert json.loads((out / "scores.json").read_text())  # kept: not scored twice
+
+
+def test_a_finished_run_is_reused_only_for_its_own_recipe():
+    recipe = Recipe(Path("/t"), Path("/o"), sample_rate=0.1)
+    saved = {k: str(v) for k, v in vars(recipe).items()}
+    older = {k: v for k, v in saved.items() if k != "seeding"}  # logged before it existed
+    assert same_recipe(saved, recipe) and same_recipe(older, recipe)
+    assert not same_recipe(saved, Recipe(Path("/t"), Path("/o"), sample_rate=1.0))
+    assert not same_recipe(older, Recipe(Path("/t"), Path("/o"), sample_rate=0.1,
+                                         seeding="per-rank"))

@@ -41,17 +41,21 @@ class Arm:
     center_update: str = "dense"
     power: float = 2.0
     momentum_form: str = "own"
+    seeding: str = "alike"
 
 
 ARMS = {"ours-exact": Arm("ours", "exact"), "ours-lazy": Arm("ours", "lazy"),
         "ours-dense": Arm("ours", "dense"), "arcface_torch": Arm("arcface_torch"),
         "ours-exact-power1": Arm("ours", "exact", power=1.0),
         "arcface_torch-power1": Arm("arcface_torch", power=1.0),
-        "arcface_torch-mxnet-momentum": Arm("arcface_torch", momentum_form="mxnet")}
-"""arcface_torch's SGD updates every centre each step (dense); its train_v2.py decays
-the rate with power 1, ours with 2 (config lr_power): the study trains both toolkits
-with 2, and both with 1 in the -power1 arms; and its SGD applies the rate after the momentum, MXNet's
-before, measured by the arm that takes it before (recipe.py)."""
+        "arcface_torch-mxnet-momentum": Arm("arcface_torch", momentum_form="mxnet"),
+        "arcface_torch-rank-seeds": Arm("arcface_torch", seeding="per-rank")}
+"""arcface_torch's SGD updates every centre each step (dense). Three differences of its
+train_v2.py have an arm of their own: it decays the rate with power 1, ours with 2
+(config lr_power), so the study trains both toolkits with 2, and both with 1 in the
+-power1 arms; its SGD applies the rate after the momentum, MXNet's before
+(-mxnet-momentum takes it before); and it seeds every rank alike, so that the ranks'
+shards start as one matrix (-rank-seeds seeds each rank apart; recipe.py)."""
 
 
 @dataclass
@@ -77,8 +81,8 @@ def launch(arm: Arm, recipe: Recipe, processes: int, args: argparse.Namespace) -
 def run_arm(arm: Arm, recipe: Recipe, args: argparse.Namespace) -> Result:
     """Train (unless a finished run of the same recipe is there) and score the run."""
     log_path = recipe.out / "log.json"
-    wanted = {k: str(v) for k, v in vars(recipe).items()}
-    finished = log_path.is_file() and json.loads(log_path.read_text())["recipe"] == wanted
+    finished = log_path.is_file() and same_recipe(json.loads(log_path.read_text())["recipe"],
+                                                  recipe)
     if not finished:
         for old in recipe.out.glob("*"):
             old.unlink()
@@ -92,6 +96,13 @@ def run_arm(arm: Arm, recipe: Recipe, args: argparse.Namespace) -> Result:
                              f"{recipe.out / 'output.txt'}")
     log = json.loads(log_path.read_text())
     return Result(scored(recipe), log["minutes"], log["ms_per_step"])
+
+
+def same_recipe(saved: dict, recipe: Recipe) -> bool:
+    """Whether a finished run trained `recipe`. A field the run's log lacks (added to
+    the recipe since) counts as its default, which is what such a run trained."""
+    defaults = {name: str(field.default) for name, field in Recipe.__dataclass_fields__.items()}
+    return {**defaults, **saved} == {k: str(v) for k, v in vars(recipe).items()}
 
 
 def scored(recipe: Recipe) -> list[tuple[int, Score]]:
@@ -120,12 +131,17 @@ def mean_std(values: list[float]) -> str:
 
 
 def difference(ours: list[float], anchor: list[float]) -> str:
-    """Difference of the means and its standard error (each arm's seeds independent)."""
-    if len(ours) < 2 or len(anchor) < 2:
-        return f"{statistics.mean(ours) - statistics.mean(anchor):+.4f} (one seed)"
+    """Difference of the means and its standard error, each arm's seeds taken as
+    independent; then paired by seed (both toolkits of a seed train on the same data,
+    so the per-seed differences vary less)."""
+    gap = statistics.mean(ours) - statistics.mean(anchor)
+    if len(ours) < 2 or len(ours) != len(anchor):
+        return f"{gap:+.4f} (one seed)" if len(ours) < 2 else f"{gap:+.4f}"
     error = math.sqrt(statistics.variance(ours) / len(ours)
                       + statistics.variance(anchor) / len(anchor))
-    return f"{statistics.mean(ours) - statistics.mean(anchor):+.4f} ± {error:.4f}"
+    paired = [a - b for a, b in zip(ours, anchor)]
+    paired_error = statistics.stdev(paired) / math.sqrt(len(paired))
+    return f"{gap:+.4f} ± {error:.4f} (paired ± {paired_error:.4f})"
 
 
 METRICS = {"accuracy": lambda s: s.accuracy, "TAR@FAR=1e-3": lambda s: s.tar[1e-3],
@@ -210,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
                     recipe = replace(Recipe(task, work / task.name / f"{name}-r{rate:g}"),
                                      seed=seed, sample_rate=rate, epochs=args.epochs,
                                      center_update=arm.center_update, power=arm.power,
-                                     momentum_form=arm.momentum_form)
+                                     momentum_form=arm.momentum_form,
+                                     seeding=arm.seeding)
                     started = time.perf_counter()
                     result = run_arm(arm, recipe, args)
                     by_arm.setdefault(name, []).append(result)

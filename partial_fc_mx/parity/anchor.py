@@ -91,6 +91,8 @@ def train(recipe: Recipe, arcface_torch: Path) -> None:
     backbone = torch.nn.parallel.DistributedDataParallel(mlp(torch, recipe),
                                                          broadcast_buffers=False)
     margin = reference["losses"].CombinedMarginLoss(64, 1.0, 0.5, 0.0)
+    if recipe.seeding == "per-rank":
+        torch.manual_seed(recipe.seed + rank)
     pfc = reference["partial_fc_v2"].PartialFC_V2(margin, recipe.embedding_size, num_classes,
                                                   recipe.sample_rate, False)
     optimizer = torch.optim.SGD([{"params": backbone.parameters()},

@@ -60,9 +60,9 @@ def recipe_config(recipe: Recipe, num_classes: int) -> Config:
 
 
 def train(recipe: Recipe) -> None:
-    if recipe.momentum_form != "own":
-        raise SystemExit("--momentum-form: ours is MXNet's SGD (the rate inside the "
-                         "momentum) only; 'mxnet' is for arcface_torch's arm")
+    if (recipe.momentum_form, recipe.seeding) != ("own", "alike"):
+        raise SystemExit("--momentum-form and --seeding are arcface_torch's diagnostics: "
+                         "ours is MXNet's SGD and draws each class's centre from its id")
     world, ctx = dist.init(), mx.cpu()
     data = load_task(recipe.task)
     x, y = data["train_x"], data["train_y"]

@@ -45,6 +45,11 @@ class Recipe:
     """arcface_torch only: "mxnet" makes its SGD take the rate inside the momentum, as
     MXNet's does (m <- mu m - lr (g + wd w); w <- w + m), where torch's applies it
     after (m <- mu m + g + wd w; w <- w - lr m); the two agree only at a constant rate."""
+    seeding: str = "alike"
+    """arcface_torch only: "alike" seeds every rank with the seed, as train_v2.py's
+    setup_seed does, so that each rank's shard of centres starts as the same random
+    matrix (class j of rank 0 and of rank 1 alike); "per-rank" seeds rank r with seed + r
+    before the centres are drawn. Ours draws every class's centre from (seed, class)."""
     evaluations: int = 10
     """Held-out embeddings written this many times along the run (the curves)."""
 
