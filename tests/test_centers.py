@@ -9,6 +9,7 @@ import pytest
 from partial_fc_mx.pfc.center_optimizers.adamw import AdamW
 from partial_fc_mx.pfc.center_optimizers.sgd import SGD
 from partial_fc_mx.pfc.centers import ClassCenters, shard_of, tensor_size_problem
+from partial_fc_mx.pfc.idle_rows import IdleSteps
 from partial_fc_mx.pfc.partial_fc import PartialFC
 from partial_fc_mx.sizing.pfc_memory import LOGIT_MATRICES, estimate_memory
 
@@ -112,6 +113,8 @@ def test_memory_estimate_counts_every_state():
     assert sgd.centers == 1000 * 512 * 4 * 2
     assert adamw.centers == 1000 * (512 * 4 * 3 + 4)
     assert fp16.centers == 1000 * (512 * 2 + 512 * 4 * 2 + 4)
+    exact = estimate_memory(1000, 512, 1, 0, 0.1, 64, center_update="exact")
+    assert exact.centers == sgd.centers + 1000 * IdleSteps(1, 0.9, 5e-4).last.itemsize
 
 
 @pytest.mark.parametrize("optimizer", [SGD(), AdamW()])

@@ -104,6 +104,20 @@ def test_the_dense_center_update_is_refused_for_float16_centers(tmp_path):
         load_config(path, ["fp16_centers=True"])
 
 
+def test_the_default_center_update_is_exact_for_sgd_and_lazy_for_adamw(tmp_path):
+    """docs/parity.md: "exact" trains the dense update's rows at the sample's cost;
+    AdamW has no replay, so its default stays lazy, and asking it for "exact" is refused."""
+    path = write(tmp_path / "c.py", "num_classes = 10\n")
+    assert load_config(path).center_update_mode() == "exact"
+    assert load_config(path, ["center_optimizer=adamw"]).center_update_mode() == "lazy"
+    assert load_config(path, ["center_update=lazy"]).center_update_mode() == "lazy"
+    assert load_config(path, ["center_lazy_update=False"]).center_update_mode() == "dense"
+    with pytest.raises(ConfigError, match="center_update='exact' replays SGD's momentum"):
+        load_config(path, ["center_optimizer=adamw", "center_update=exact"])
+    with pytest.raises(ConfigError, match="must be one of 'auto', 'lazy', 'exact', 'dense'"):
+        load_config(path, ["center_update=sparse"])
+
+
 def test_missing_or_broken_file_names_it(tmp_path):
     with pytest.raises(ConfigError, match="nope.py: no such config file"):
         load_config(tmp_path / "nope.py")

@@ -176,7 +176,8 @@ def bench_config(world: dist.World, ctx: mx.Context, num_classes: int, args) -> 
     global_batch = args.batch_size * world.size
     n = len(pfc.sampled_classes)
     theory = estimate_memory(num_classes, args.embedding_size, world.size, world.rank,
-                             sample_rate, global_batch, args.fp16_centers)
+                             sample_rate, global_batch, args.fp16_centers,
+                             center_update=args.center_update)
     seconds = {k: v / args.steps for k, v in timer.seconds.items()}
     return {
         "classes": num_classes, "sampled": n, "step_ms": 1e3 * statistics.median(plain),

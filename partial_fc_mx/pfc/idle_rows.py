@@ -26,13 +26,18 @@ CENTER_UPDATES = ("lazy", "exact", "dense")
 reference), when next sampled (exact, this module), or at once (a dense optimizer)."""
 
 
+STEP_BYTES = 8
+"""Per row of the shard: the step it was last current at (int64), the exact update's
+one resident cost beyond the lazy update's (sizing/pfc_memory.py counts it)."""
+
+
 class IdleSteps:
     """Steps taken, the step each of `rows` rows was last current at, and the learning
     rates since every row last was (`start`)."""
 
     def __init__(self, rows: int, momentum: float, weight_decay: float) -> None:
         self.momentum, self.weight_decay = momentum, weight_decay
-        self.last = np.zeros(rows, np.int64)
+        self.last = np.zeros(rows, np.dtype(f"i{STEP_BYTES}"))
         self.start = self.done = 0
         self.rates: list[float] = []
 

@@ -75,7 +75,8 @@ def partial_fc_memory(config: Config, world_size: int, rank: int) -> PartialFCMe
     search over world sizes (plan.py) reads the backbone's graph once."""
     return estimate_memory(
         config.num_classes, config.embedding_size, world_size, rank, config.sample_rate,
-        config.batch_size * world_size, config.fp16_centers, config.centers_optimizer())
+        config.batch_size * world_size, config.fp16_centers, config.centers_optimizer(),
+        config.center_update_mode())
 
 
 def backbone_memory(config: Config, dtype: str) -> BackboneMemory:

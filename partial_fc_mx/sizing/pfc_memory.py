@@ -12,6 +12,7 @@ import numpy as np
 from ..pfc.center_optimizers import CenterOptimizer
 from ..pfc.center_optimizers.sgd import SGD
 from ..pfc.centers import center_dtype, rows_per_block, sampled_per_step, shard_of
+from ..pfc.idle_rows import STEP_BYTES
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,8 @@ class PartialFCMemory:
     weights: int
     """The shard's rows, resident for the whole run."""
     states: int
-    """Their optimizer states, resident for the whole run."""
+    """Their optimizer states (and with the exact update, each row's last step),
+    resident for the whole run."""
     sampled_rows: int
     """Per step: the sampled rows (weights, their scaled copy v, gradient, states) in
     float32 and the buffers they are gathered through."""
@@ -57,13 +59,16 @@ def estimate_memory(
     global_batch: int,
     fp16_centers: bool = False,
     optimizer: CenterOptimizer | None = None,
+    center_update: str = "lazy",
 ) -> PartialFCMemory:
-    """`optimizer`: the centers' (default: SGD with momentum, one state as wide as a row)."""
+    """`optimizer`: the centers' (default: SGD with momentum, one state as wide as a row);
+    `center_update` as PartialFC's ("exact" keeps a step count per row)."""
     optimizer = optimizer or SGD()
     rows = shard_of(num_classes, rank, world_size).count
     dtype = center_dtype(fp16_centers)
     states = optimizer.states(embedding_size, dtype).values()
     state_bytes = sum(width * np.dtype(state_dtype).itemsize for width, state_dtype in states)
+    state_bytes += STEP_BYTES * (center_update == "exact")
     sampled = sampled_per_step(rows, sample_rate, global_batch)
     fp32 = 4
     # float32 work copies of the sampled rows, their scaled copy (v in partial_fc.py),
