@@ -1,4 +1,4 @@
-# The sampling study (docs/sampling.md): does scoring only a sample of the class
+# The sampling study (docs/parity.md): does scoring only a sample of the class
 # centers cost accuracy? Synthetic identities (pack-synthetic, or made by
 # `python -m partial_fc_mx.quality --synthetic CLASSES`, which also sets rec and
 # num_classes), 2 CPU processes; the arms differ in sample_rate only.

@@ -55,7 +55,7 @@ verification sets are never executed (training.md, evaluation.md).
 | `webface4m_r50.py` | WebFace4M, 205,990 ids (0.3) | r50 | ArcFace |
 | `webface42m_r100.py` | WebFace42M, 2,059,906 ids (0.2) | r100 | ArcFace |
 | `random_1m_r50.py`, `random_10m_r50.py` | random tensors, 1M / 10M ids (0.1) | r50 | ArcFace |
-| `synthetic_sampling.py` | synthetic look-alike ids (docs/sampling.md) | tiny | ArcFace |
+| `synthetic_sampling.py` | synthetic look-alike ids (docs/parity.md) | tiny | ArcFace |
 
 Generated from `partial_fc_mx/config.py` by `python -m partial_fc_mx.tools.config_reference`.
 """
