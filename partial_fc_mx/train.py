@@ -308,6 +308,8 @@ def restore(config: Config, world: dist.World, ctx: mx.Context, work_dir: Path, 
         state = dist.run_agreed(load, "restore", (CheckpointError, OptimizerStateError),
                                 CheckpointError, f"cannot load {path}")
         notes.append(f"{'resuming from' if resume_from else 'loaded the weights of'} {path}")
+        if resume_from and (change := checkpoint.update_change(path, pfc)):
+            notes.append(change)
     aside = dist.run_agreed(lambda: checkpoint.set_aside(work_dir, newer_than=state.step
                                                          if resume_from else -1),
                             "restore.aside", (), CheckpointError,

@@ -235,6 +235,27 @@ def test_a_checkpoint_of_the_first_format_loads_weights_but_does_not_resume(
     assert not (tmp_path / "pwned").exists()
 
 
+def test_a_resume_that_changes_the_center_update_says_so(tmp_path, synthetic, trained):
+    """Checkpoints hold current rows, so another rule may continue; the log says it, and
+    for a checkpoint of before the rule was recorded, what the default was then."""
+    work = copy_of(trained, tmp_path)
+    saved = work / "checkpoints" / "step_000004"
+    meta = json.loads((saved / "meta.json").read_text())
+    assert meta["center_update"] == "exact"  # "auto" with SGD's centers
+    same, log = resume_one_step(tmp_path, synthetic, work)
+    assert same.returncode == 0 and "center_update" not in log["text"]
+    other, log = resume_one_step(tmp_path, synthetic, work, center_update="lazy")
+    assert other.returncode == 0, other.stdout[-3000:]
+    assert (f"{saved} was trained with center_update='exact'; this run continues with "
+            "center_update='lazy'") in log["text"]
+    del meta["center_update"]
+    (saved / "meta.json").write_text(json.dumps(meta))
+    older, log = resume_one_step(tmp_path, synthetic, work)
+    assert older.returncode == 0, older.stdout[-3000:]
+    assert ("was saved before the update rule was recorded (the default then: 'lazy'); this "
+            "run continues with center_update='exact'") in log["text"]
+
+
 def test_a_resume_keeps_the_centers_optimizer_and_reads_the_second_format_as_sgd(
         tmp_path, synthetic, trained):
     """The states saved are those of one optimizer: resuming with another one would

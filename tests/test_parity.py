@@ -110,10 +110,16 @@ def test_the_table_gives_each_arm_mean_and_spread_and_the_difference_with_its_er
 
     cells = {(3000, 0.1): {"ours-exact": [result(0.90), result(0.92)],
                            "arcface_torch": [result(0.88), result(0.90)]}}
-    text = table(cells, ["ours-exact", "arcface_torch"], "arcface_torch")
+    text = table(cells, ["ours-exact", "arcface_torch"])
     assert "| 3,000 | 0.1 | ours-exact | 2 | 0.9100 ± 0.0141 |" in text
     assert "| ours-exact − arcface_torch | | +0.0200 ± 0.0141 (paired ± 0.0000) |" in text
     assert difference([0.9], [0.8]) == "+0.1000 (one seed)"
+    cells[(3000, 0.1)]["ours-exact-power1"] = [result(0.95), result(0.95)]
+    cells[(3000, 0.1)]["arcface_torch-power1"] = [result(0.93), result(0.93)]
+    text = table(cells, ["ours-exact", "arcface_torch", "ours-exact-power1",
+                         "arcface_torch-power1"])
+    assert "| ours-exact-power1 − arcface_torch-power1 | | +0.0200 ± 0.0000" in text
+    assert "ours-exact-power1 − arcface_torch |" not in text  # not across powers
 
 
 def test_our_arm_trains_for_real_and_its_embeddings_are_scored(small_task, tmp_path):

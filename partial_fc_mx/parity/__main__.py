@@ -42,6 +42,7 @@ class Arm:
     power: float = 2.0
     momentum_form: str = "own"
     seeding: str = "alike"
+    margin_gradient: str = "own"
 
 
 ARMS = {"ours-exact": Arm("ours", "exact"), "ours-lazy": Arm("ours", "lazy"),
@@ -49,13 +50,16 @@ ARMS = {"ours-exact": Arm("ours", "exact"), "ours-lazy": Arm("ours", "lazy"),
         "ours-exact-power1": Arm("ours", "exact", power=1.0),
         "arcface_torch-power1": Arm("arcface_torch", power=1.0),
         "arcface_torch-mxnet-momentum": Arm("arcface_torch", momentum_form="mxnet"),
-        "arcface_torch-rank-seeds": Arm("arcface_torch", seeding="per-rank")}
+        "arcface_torch-rank-seeds": Arm("arcface_torch", seeding="per-rank"),
+        "arcface_torch-exact-margin": Arm("arcface_torch", margin_gradient="exact")}
 """arcface_torch's SGD updates every centre each step (dense). Three differences of its
 train_v2.py have an arm of their own: it decays the rate with power 1, ours with 2
 (config lr_power), so the study trains both toolkits with 2, and both with 1 in the
 -power1 arms; its SGD applies the rate after the momentum, MXNet's before
-(-mxnet-momentum takes it before); and it seeds every rank alike, so that the ranks'
-shards start as one matrix (-rank-seeds seeds each rank apart; recipe.py)."""
+(-mxnet-momentum takes it before); it seeds every rank alike, so that the ranks'
+shards start as one matrix (-rank-seeds seeds each rank apart); and its ArcFace margin
+passes the plain cosine's gradient (-exact-margin differentiates it, as ours does;
+recipe.py)."""
 
 
 @dataclass
@@ -148,9 +152,18 @@ METRICS = {"accuracy": lambda s: s.accuracy, "TAR@FAR=1e-3": lambda s: s.tar[1e-
            "TAR@FAR=1e-4": lambda s: s.tar[1e-4]}
 
 
-def table(cells: dict, arms: list[str], baseline: str) -> str:
+def baseline_of(name: str) -> str | None:
+    """The arm `name` is compared with: ours with arcface_torch at the same power; an
+    arcface_torch diagnostic with arcface_torch itself."""
+    arm = ARMS[name]
+    if arm.toolkit == "ours":
+        return "arcface_torch" if arm.power == 2.0 else "arcface_torch-power1"
+    return "arcface_torch" if name != "arcface_torch" and arm.power == 2.0 else None
+
+
+def table(cells: dict, arms: list[str]) -> str:
     """One row per (classes, rate, arm): the end-of-run scores, mean ± std over seeds;
-    then each of our arms minus `baseline` (the anchor)."""
+    then each arm minus the one it is compared with (baseline_of), where both ran."""
     rows = ["| classes | sample_rate | arm | seeds | " + " | ".join(METRICS)
             + " | minutes per run | ms/step |", "|---" * (6 + len(METRICS)) + "|"]
     for (classes, rate), by_arm in cells.items():
@@ -161,15 +174,15 @@ def table(cells: dict, arms: list[str], baseline: str) -> str:
                         + " | ".join(mean_std([f(s) for s in ends]) for f in METRICS.values())
                         + f" | {statistics.mean(r.minutes for r in results):.1f} | "
                         f"{statistics.mean(r.ms_per_step for r in results):.0f} |")
-        if baseline in by_arm:
+        for name in arms:
+            baseline = baseline_of(name)
+            if baseline not in by_arm:
+                continue
+            ours = [r.scores[-1][1] for r in by_arm[name]]
             anchor = [r.scores[-1][1] for r in by_arm[baseline]]
-            for name in arms:
-                if name == baseline or ARMS[name].toolkit != "ours":
-                    continue
-                ours = [r.scores[-1][1] for r in by_arm[name]]
-                rows.append(f"| {classes:,} | {rate:g} | {name} − {baseline} | | " + " | ".join(
-                    difference([f(s) for s in ours], [f(s) for s in anchor])
-                    for f in METRICS.values()) + " | | |")
+            rows.append(f"| {classes:,} | {rate:g} | {name} − {baseline} | | " + " | ".join(
+                difference([f(s) for s in ours], [f(s) for s in anchor])
+                for f in METRICS.values()) + " | | |")
     return "\n".join(rows)
 
 
@@ -223,11 +236,14 @@ def main(argv: list[str] | None = None) -> int:
                 task = write_task(Task(classes, args.per_class, seed=seed), work / "data")
                 for name in args.arms:
                     arm = ARMS[name]
-                    recipe = replace(Recipe(task, work / task.name / f"{name}-r{rate:g}"),
+                    processes = "" if args.np == 2 else f"-np{args.np}"
+                    recipe = replace(Recipe(task, work / task.name
+                                            / f"{name}-r{rate:g}{processes}"),
                                      seed=seed, sample_rate=rate, epochs=args.epochs,
                                      center_update=arm.center_update, power=arm.power,
                                      momentum_form=arm.momentum_form,
-                                     seeding=arm.seeding)
+                                     seeding=arm.seeding,
+                                     margin_gradient=arm.margin_gradient)
                     started = time.perf_counter()
                     result = run_arm(arm, recipe, args)
                     by_arm.setdefault(name, []).append(result)
@@ -236,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"{end.accuracy:.4f}, TAR@1e-3 {end.tar[1e-3]:.4f}, TAR@1e-4 "
                           f"{end.tar[1e-4]:.4f} ({result.minutes:.1f} min to train; "
                           f"{(time.perf_counter() - started) / 60:.1f} min here)", flush=True)
-    print(table(cells, args.arms, "arcface_torch"))
+    print(table(cells, args.arms))
     if args.plot:
         plot(cells, args.arms, args.plot)
     return 0

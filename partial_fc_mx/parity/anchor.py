@@ -75,6 +75,23 @@ def step_with_rate_inside(torch, optimizer) -> None:
         group["lr"], group["weight_decay"] = lr, decay
 
 
+def exact_arcface(torch, scale: float, margin: float):
+    """The diagnostic arm arcface_torch-exact-margin: CombinedMarginLoss's values for
+    ArcFace (s cos(theta + m) on the target, s cos theta elsewhere; its labels of -1 mark
+    the rows whose class another rank holds) with autograd through the margin, where
+    the original computes it under no_grad. Past theta = pi - m it follows cos as the
+    original does (ours continues along a line there: rare after the first steps)."""
+
+    def apply(logits, labels):
+        rows = torch.where(labels != -1)[0]
+        columns = labels[rows].view(-1)
+        angle = torch.acos(logits[rows, columns].clamp(-1 + 1e-7, 1 - 1e-7))
+        logits = logits.index_put((rows, columns), torch.cos(angle + margin))
+        return logits * scale
+
+    return apply
+
+
 def train(recipe: Recipe, arcface_torch: Path) -> None:
     reference = load_reference(arcface_torch, FILES)  # before any collective: fails alike
     import torch
@@ -91,6 +108,8 @@ def train(recipe: Recipe, arcface_torch: Path) -> None:
     backbone = torch.nn.parallel.DistributedDataParallel(mlp(torch, recipe),
                                                          broadcast_buffers=False)
     margin = reference["losses"].CombinedMarginLoss(64, 1.0, 0.5, 0.0)
+    if recipe.margin_gradient == "exact":
+        margin = exact_arcface(torch, 64.0, 0.5)
     if recipe.seeding == "per-rank":
         torch.manual_seed(recipe.seed + rank)
     pfc = reference["partial_fc_v2"].PartialFC_V2(margin, recipe.embedding_size, num_classes,

@@ -60,9 +60,11 @@ def recipe_config(recipe: Recipe, num_classes: int) -> Config:
 
 
 def train(recipe: Recipe) -> None:
-    if (recipe.momentum_form, recipe.seeding) != ("own", "alike"):
-        raise SystemExit("--momentum-form and --seeding are arcface_torch's diagnostics: "
-                         "ours is MXNet's SGD and draws each class's centre from its id")
+    if (recipe.momentum_form, recipe.seeding, recipe.margin_gradient) != ("own", "alike",
+                                                                          "own"):
+        raise SystemExit("--momentum-form, --seeding and --margin-gradient are "
+                         "arcface_torch's diagnostics: ours is MXNet's SGD, draws each "
+                         "class's centre from its id and differentiates its margin")
     world, ctx = dist.init(), mx.cpu()
     data = load_task(recipe.task)
     x, y = data["train_x"], data["train_y"]

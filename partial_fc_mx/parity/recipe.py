@@ -50,6 +50,11 @@ class Recipe:
     setup_seed does, so that each rank's shard of centres starts as the same random
     matrix (class j of rank 0 and of rank 1 alike); "per-rank" seeds rank r with seed + r
     before the centres are drawn. Ours draws every class's centre from (seed, class)."""
+    margin_gradient: str = "own"
+    """arcface_torch only: its CombinedMarginLoss applies the ArcFace margin under
+    torch.no_grad, so the gradient of every logit, the target's too, is s times that of
+    the plain cosine; "exact" gives its arm the derivative of s cos(theta + m), as ours
+    computes (pfc/margins/combined.py)."""
     evaluations: int = 10
     """Held-out embeddings written this many times along the run (the curves)."""
 
@@ -60,7 +65,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where rank 0 writes the held-out embeddings and the log")
     for name, value in vars(Recipe(Path(), Path())).items():
         if name not in ("task", "out"):
-            parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+            parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value,
+                                choices=CHOICES.get(name))
+
+
+CHOICES = {"center_update": ("exact", "lazy", "dense"), "momentum_form": ("own", "mxnet"),
+           "seeding": ("alike", "per-rank"), "margin_gradient": ("own", "exact")}
 
 
 def from_args(args: argparse.Namespace) -> Recipe:

@@ -117,6 +117,10 @@ def verification_pairs(rng: np.random.Generator, labels: np.ndarray, count: int)
 
 def write_task(task: Task, folder: Path) -> Path:
     """The task's files in folder/<task.name> (kept: made once per task)."""
+    if task.classes % FAMILY or task.heldout % FAMILY:
+        raise SystemExit(f"{task.classes} training and {task.heldout} held-out identities: "
+                         f"both must be multiples of {FAMILY}, the family size, so that no "
+                         "family spans the two")
     out = Path(folder) / task.name
     if (out / "task.json").is_file():
         return out

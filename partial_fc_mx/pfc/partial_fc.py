@@ -122,6 +122,7 @@ class PartialFC:
                              f"{', '.join(CENTER_UPDATES)}")
         self.num_classes, self.embedding_size = num_classes, embedding_size
         self.rank, self.world_size = rank, world_size
+        self.center_update = update
         self.ctx = ctx or mx.cpu()
         self.seed = seed
         self.centers = ClassCenters(

@@ -154,6 +154,7 @@ def save(work_dir: Path, state: TrainState, net, trainer, pfc: PartialFC,
                            for r in range(world.size)],
                 "margin": {"name": pfc.margin.name, "state": pfc.margin.state_dict()},
                 "center_optimizer": pfc.centers.optimizer.name,
+                "center_update": pfc.center_update,
                 "center_states": pfc.centers.state_names(),
                 "validator": validator.state_dict(),
                 "files": dict(sorted(table.items()))}
@@ -398,6 +399,20 @@ def read_meta(checkpoint: Path, pfc: PartialFC, weights_only: bool = False) -> d
             f"{pfc.centers.optimizer.name} keeps {pfc.centers.state_names()}: it is damaged "
             "or from another version (its weights can be used with --load-from)")
     return meta
+
+
+def update_change(checkpoint: Path, pfc: PartialFC) -> str | None:
+    """A note for the log when a resumed run updates the centers it does not sample
+    otherwise than the checkpoint's run did. Every checkpoint holds current rows, so any
+    rule can continue from it; but a changed default (lazy, before "auto") must not pass
+    unnoticed."""
+    saved = json.loads((checkpoint / META).read_text()).get("center_update")
+    if saved == pfc.center_update:
+        return None
+    was = (f"was trained with center_update={saved!r}" if saved else
+           "was saved before the update rule was recorded (the default then: 'lazy')")
+    return (f"{checkpoint} {was}; this run continues with center_update="
+            f"{pfc.center_update!r} (set center_update in the config to choose)")
 
 
 def load_centers(checkpoint: Path, meta: dict, pfc: PartialFC, with_states: bool,
