@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .cli.arguments import fraction
+from .config import Config, config_fingerprint
 from .run.metrics import METRICS, read_metrics
 from .tools.plot import plot_work_dirs
 
@@ -120,10 +121,12 @@ def mpirun_on_this_host(processes: int) -> list[str]:
 
 def run_key(config: str, data: Path, overrides: list[str], processes: int) -> dict:
     """Everything that decides what a run trains: a saved run is reused only when all
-    of it is the same (a config file edited since, or other data, trains again)."""
+    of it is the same (a config file edited since, other data, or a default of the
+    toolkit changed since, such as center_update's, trains again)."""
     text_hash = hashlib.sha256(Path(config).read_bytes()).hexdigest()
     return {"config": config, "config_sha256": text_hash, "data": str(data),
-            "overrides": overrides, "processes": processes}
+            "overrides": overrides, "processes": processes,
+            "defaults": config_fingerprint(Config())}
 
 
 def read_result(work_dir: Path) -> RunResult:

@@ -5,6 +5,7 @@ elsewhere)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from unittest import mock
 
@@ -61,6 +62,13 @@ def test_runs_are_reused_retrained_when_changed_and_tabled(tmp_path, monkeypatch
     config.write_text("lr = 0.2\n")  # the config file was edited since
     run_arm(str(config), tmp_path, "aug", ["augment_rotate=10"], [2, 3], 2)
     assert trained[-2:] == [("split2", ("augment_rotate=10",)), ("split3", ("augment_rotate=10",))]
+    @dataclasses.dataclass
+    class Changed(quality.Config):  # a default of the toolkit changed since
+        center_update: str = "lazy"
+
+    monkeypatch.setattr(quality, "Config", Changed)
+    run_arm(str(config), tmp_path, "aug", ["augment_rotate=10"], [3], 2)
+    assert len(trained) == 9 and trained[-1][0] == "split3"
     rows = table({"aug": again}).splitlines()
     assert rows[2] == ("| aug | `augment_rotate=10` | **0.9150 ± 0.0129** | 0.900 0.910 0.920 "
                        "0.930 | 0.8500 ± 0.0000 | 0.8400 ± 0.0000 | 3.0 |")

@@ -41,7 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fp16-centers", action="store_true",
                         help="float16 centers (twice the classes in the same memory)")
     parser.add_argument("--center-update", choices=CENTER_UPDATES, default="lazy",
-                        help="how the rows not sampled take a step (config center_update)")
+                        help="how the rows not sampled take a step (config center_update; "
+                        "the trainer's default for SGD is exact since 2026-11-25, this "
+                        "benchmark's figures were recorded with lazy)")
 
 
 def run(args: argparse.Namespace) -> None:
