@@ -27,6 +27,11 @@ def small_task(tmp_path_factory) -> Path:
     return write_task(SMALL, tmp_path_factory.mktemp("parity"))
 
 
+def test_a_family_never_spans_training_and_held_out_identities(tmp_path):
+    with pytest.raises(SystemExit, match="multiples of 10"):
+        write_task(Task(classes=65), tmp_path)
+
+
 def test_the_task_is_made_again_from_its_seed_alone(small_task, tmp_path):
     again = write_task(SMALL, tmp_path)
     other = write_task(Task(**{**vars(SMALL), "seed": 1}), tmp_path)
@@ -98,6 +103,8 @@ def test_a_recipe_survives_its_command_line():
     recipe = Recipe(Path("/t"), Path("/o"), seed=3, sample_rate=0.1, center_update="lazy",
                     power=1.0)
     assert parse(command_line(recipe), "x", "") == recipe
+    with pytest.raises(SystemExit):  # a typo never runs the default silently
+        parse([*command_line(recipe), "--seeding", "per_rank"], "x", "")
     assert evaluation_steps(930, 10)[-1] == 930 and len(evaluation_steps(930, 10)) == 10
     assert evaluation_steps(3, 10) == [1, 2, 3]
 

@@ -77,7 +77,7 @@ def launch(arm: Arm, recipe: Recipe, processes: int, args: argparse.Namespace) -
                 "-m", "partial_fc_mx.parity.ours", *words]
     if args.arcface_torch is None or args.torch_python is None:
         raise SystemExit("arcface_torch's arms need --arcface-torch and --torch-python")
-    return [str(args.torch_python), "-m", "torch.distributed.run", "--nproc-per-node",
+    return [str(args.torch_python.absolute()), "-m", "torch.distributed.run", "--nproc-per-node",
             str(processes), "-m", "partial_fc_mx.parity.anchor", "--arcface-torch",
             str(args.arcface_torch.resolve()), *words]
 
