@@ -51,7 +51,9 @@ ARMS = {"ours-exact": Arm("ours", "exact"), "ours-lazy": Arm("ours", "lazy"),
         "arcface_torch-power1": Arm("arcface_torch", power=1.0),
         "arcface_torch-mxnet-momentum": Arm("arcface_torch", momentum_form="mxnet"),
         "arcface_torch-rank-seeds": Arm("arcface_torch", seeding="per-rank"),
-        "arcface_torch-exact-margin": Arm("arcface_torch", margin_gradient="exact")}
+        "arcface_torch-exact-margin": Arm("arcface_torch", margin_gradient="exact"),
+        "arcface_torch-all-three": Arm("arcface_torch", momentum_form="mxnet",
+                                       seeding="per-rank", margin_gradient="exact")}
 """arcface_torch's SGD updates every centre each step (dense). Three differences of its
 train_v2.py have an arm of their own: it decays the rate with power 1, ours with 2
 (config lr_power), so the study trains both toolkits with 2, and both with 1 in the
@@ -59,7 +61,7 @@ train_v2.py have an arm of their own: it decays the rate with power 1, ours with
 (-mxnet-momentum takes it before); it seeds every rank alike, so that the ranks'
 shards start as one matrix (-rank-seeds seeds each rank apart); and its ArcFace margin
 passes the plain cosine's gradient (-exact-margin differentiates it, as ours does;
-recipe.py)."""
+recipe.py); -all-three changes the three at once."""
 
 
 @dataclass
@@ -82,11 +84,14 @@ def launch(arm: Arm, recipe: Recipe, processes: int, args: argparse.Namespace) -
             str(args.arcface_torch.resolve()), *words]
 
 
-def run_arm(arm: Arm, recipe: Recipe, args: argparse.Namespace) -> Result:
-    """Train (unless a finished run of the same recipe is there) and score the run."""
+def run_arm(arm: Arm, recipe: Recipe, args: argparse.Namespace) -> Result | None:
+    """Train (unless a finished run of the same recipe is there) and score the run; with
+    --report, only score what finished (None for a run that did not)."""
     log_path = recipe.out / "log.json"
     finished = log_path.is_file() and same_recipe(json.loads(log_path.read_text())["recipe"],
                                                   recipe)
+    if not finished and args.report:
+        return None
     if not finished:
         for old in recipe.out.glob("*"):
             old.unlink()
@@ -167,14 +172,15 @@ def table(cells: dict, arms: list[str]) -> str:
     rows = ["| classes | sample_rate | arm | seeds | " + " | ".join(METRICS)
             + " | minutes per run | ms/step |", "|---" * (6 + len(METRICS)) + "|"]
     for (classes, rate), by_arm in cells.items():
-        for name in arms:
+        ran = [name for name in arms if name in by_arm]
+        for name in ran:
             results = by_arm[name]
             ends = [r.scores[-1][1] for r in results]
             rows.append(f"| {classes:,} | {rate:g} | {name} | {len(results)} | "
                         + " | ".join(mean_std([f(s) for s in ends]) for f in METRICS.values())
                         + f" | {statistics.mean(r.minutes for r in results):.1f} | "
                         f"{statistics.mean(r.ms_per_step for r in results):.0f} |")
-        for name in arms:
+        for name in ran:
             baseline = baseline_of(name)
             if baseline not in by_arm:
                 continue
@@ -195,7 +201,7 @@ def plot(cells: dict, arms: list[str], folder: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     for (classes, rate), by_arm in cells.items():
         figure, axes = plt.subplots(1, 2, figsize=(10, 4))
-        for name in arms:
+        for name in [name for name in arms if name in by_arm]:
             runs = by_arm[name]
             steps = [step for step, _ in runs[0].scores]
             for axis, metric in zip(axes, ("accuracy", "TAR@FAR=1e-3")):
@@ -226,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch-python", type=Path,
                         help="the python of an environment with torch (CPU) and numpy")
     parser.add_argument("--plot", type=Path, metavar="DIR", help="also draw the curves")
+    parser.add_argument("--report", action="store_true",
+                        help="train nothing: tables of the runs that finished")
     args = parser.parse_args(argv)
     work = args.work.resolve()
     cells: dict = {}
@@ -246,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
                                      margin_gradient=arm.margin_gradient)
                     started = time.perf_counter()
                     result = run_arm(arm, recipe, args)
+                    if result is None:
+                        print(f"C={classes} r={rate:g} seed {seed} {name}: not run yet")
+                        continue
                     by_arm.setdefault(name, []).append(result)
                     end = result.scores[-1][1]
                     print(f"C={classes} r={rate:g} seed {seed} {name}: accuracy "
