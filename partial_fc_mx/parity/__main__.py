@@ -16,6 +16,7 @@ same data in the same order.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -115,20 +116,22 @@ def same_recipe(saved: dict, recipe: Recipe) -> bool:
 
 
 def scored(recipe: Recipe) -> list[tuple[int, Score]]:
-    """Every embeddings file of the run scored (kept in scores.json beside them)."""
+    """Every embeddings file of the run scored (kept in scores.json beside them, for
+    the task's pair list of the time: other pairs, scored again)."""
+    data = load_task(recipe.task)
+    pairs = hashlib.sha256(data["pairs"].tobytes() + data["issame"].tobytes()).hexdigest()
     cache_path = recipe.out / "scores.json"
-    cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
-    data = None
+    saved = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
+    cache = saved.get("scores", {}) if saved.get("pairs") == pairs else {}
     results = []
     for path in sorted(recipe.out.glob("embeddings-*.npy")):
         if path.name not in cache:
-            data = data or load_task(recipe.task)
             s = score(np.load(path), data["heldout_y"], data["pairs"], data["issame"])
             cache[path.name] = [s.accuracy, s.fold_std, [s.tar[far] for far in FARS]]
         accuracy, fold_std, tars = cache[path.name]
         results.append((int(path.stem.split("-")[1]),
                         Score(accuracy, fold_std, dict(zip(FARS, tars)))))
-    cache_path.write_text(json.dumps(cache))
+    cache_path.write_text(json.dumps({"pairs": pairs, "scores": cache}))
     return results
 
 

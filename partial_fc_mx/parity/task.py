@@ -104,36 +104,47 @@ def verification_pairs(rng: np.random.Generator, labels: np.ndarray, count: int)
                      .T)
     genuine = np.stack([by_class[who, first], by_class[who, second]], axis=1)
     a = rng.integers(0, classes, count)
-    family_mate = (a // FAMILY) * FAMILY + rng.integers(1, FAMILY, count)
+    family_mate = (a // FAMILY) * FAMILY + (a % FAMILY + rng.integers(1, FAMILY, count)) % FAMILY
     anyone = (a + rng.integers(1, classes, count)) % classes
     b = np.where(np.arange(count) % 2 == 0, family_mate, anyone)
-    b = np.where(b >= classes, anyone, b)  # the last family may be short
-    b = np.where(b == a, (a + 1) % classes, b)
     impostor = np.stack([by_class[a, rng.integers(0, per_class, count)],
                          by_class[b, rng.integers(0, per_class, count)]], axis=1)
     order = rng.permutation(2 * count)  # every fold of the protocol gets both kinds
     return np.concatenate([genuine, impostor])[order], order < count
 
 
+PAIRS_VERSION = 2
+"""Of the pair list's draw (1: a family member's draw that skipped each family's first
+and could leave the family); a task folder of another version gets its pairs drawn
+again (the training data stays: its runs need not train again, only be scored)."""
+
+
 def write_task(task: Task, folder: Path) -> Path:
-    """The task's files in folder/<task.name> (kept: made once per task)."""
+    """The task's files in folder/<task.name> (kept: made once per task; the pairs
+    drawn from their own generator, so that they can be drawn again alone)."""
     if task.classes % FAMILY or task.heldout % FAMILY:
         raise SystemExit(f"{task.classes} training and {task.heldout} held-out identities: "
                          f"both must be multiples of {FAMILY}, the family size, so that no "
                          "family spans the two")
     out = Path(folder) / task.name
-    if (out / "task.json").is_file():
+    made = out / "task.json"
+    if made.is_file() and json.loads(made.read_text()).get("pairs_version") == PAIRS_VERSION:
         return out
-    out.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng([task.seed, 2038])
-    apply = random_map(rng)
-    points = identity_points(rng, task.classes + task.heldout)
-    train_x, train_y = samples(rng, points[:task.classes], task.per_class, apply)
-    heldout_x, heldout_y = samples(rng, points[task.classes:], task.heldout_per_class, apply)
-    pairs, issame = verification_pairs(rng, heldout_y, task.pairs)
-    for name, array in zip(FILES, (train_x, train_y, heldout_x, heldout_y, pairs, issame)):
-        np.save(out / name, array)
-    (out / "task.json").write_text(json.dumps(asdict(task)))
+    if not made.is_file():
+        out.mkdir(parents=True, exist_ok=True)
+        rng = np.random.default_rng([task.seed, 2038])
+        apply = random_map(rng)
+        points = identity_points(rng, task.classes + task.heldout)
+        train_x, train_y = samples(rng, points[:task.classes], task.per_class, apply)
+        heldout_x, heldout_y = samples(rng, points[task.classes:], task.heldout_per_class,
+                                       apply)
+        for name, array in zip(FILES[:4], (train_x, train_y, heldout_x, heldout_y)):
+            np.save(out / name, array)
+    pairs, issame = verification_pairs(np.random.default_rng([task.seed, 2038, 1]),
+                                       np.load(out / "heldout_y.npy"), task.pairs)
+    np.save(out / "pairs.npy", pairs)
+    np.save(out / "issame.npy", issame)
+    made.write_text(json.dumps({**asdict(task), "pairs_version": PAIRS_VERSION}))
     return out
 
 
