@@ -39,22 +39,32 @@ from .task import Task, load_task, write_task
 class Arm:
     toolkit: str
     """"ours" or "arcface_torch"."""
-    center_update: str = "dense"
-    power: float = 2.0
-    momentum_form: str = "own"
-    seeding: str = "alike"
-    margin_gradient: str = "own"
+    changes: dict
+    """Recipe fields this arm sets (recipe.py)."""
+
+    @property
+    def power(self) -> float:
+        return self.changes.get("power", Recipe.power)
 
 
-ARMS = {"ours-exact": Arm("ours", "exact"), "ours-lazy": Arm("ours", "lazy"),
-        "ours-dense": Arm("ours", "dense"), "arcface_torch": Arm("arcface_torch"),
-        "ours-exact-power1": Arm("ours", "exact", power=1.0),
-        "arcface_torch-power1": Arm("arcface_torch", power=1.0),
-        "arcface_torch-mxnet-momentum": Arm("arcface_torch", momentum_form="mxnet"),
-        "arcface_torch-rank-seeds": Arm("arcface_torch", seeding="per-rank"),
-        "arcface_torch-exact-margin": Arm("arcface_torch", margin_gradient="exact"),
-        "arcface_torch-all-three": Arm("arcface_torch", momentum_form="mxnet",
-                                       seeding="per-rank", margin_gradient="exact")}
+def ours(**changes) -> Arm:
+    return Arm("ours", changes)
+
+
+def anchor(**changes) -> Arm:
+    """torch's SGD updates every centre: the run's log says "dense" (anchor.py)."""
+    return Arm("arcface_torch", {"center_update": "dense", **changes})
+
+
+ARMS = {"ours-exact": ours(center_update="exact"), "ours-lazy": ours(center_update="lazy"),
+        "ours-dense": ours(center_update="dense"), "arcface_torch": anchor(),
+        "ours-exact-power1": ours(center_update="exact", power=1.0),
+        "arcface_torch-power1": anchor(power=1.0),
+        "arcface_torch-mxnet-momentum": anchor(momentum_form="mxnet"),
+        "arcface_torch-rank-seeds": anchor(seeding="per-rank"),
+        "arcface_torch-exact-margin": anchor(margin_gradient="exact"),
+        "arcface_torch-all-three": anchor(momentum_form="mxnet", seeding="per-rank",
+                                          margin_gradient="exact")}
 """arcface_torch's SGD updates every centre each step (dense). Three differences of its
 train_v2.py have an arm of their own: it decays the rate with power 1, ours with 2
 (config lr_power), so the study trains both toolkits with 2, and both with 1 in the
@@ -118,7 +128,7 @@ def same_recipe(saved: dict, recipe: Recipe) -> bool:
 def scored(recipe: Recipe) -> list[tuple[int, Score]]:
     """Every embeddings file of the run scored (kept in scores.json beside them, for
     the task's pair list of the time: other pairs, scored again)."""
-    data = load_task(recipe.task)
+    data = load_task(recipe.task, ("heldout_y.npy", "pairs.npy", "issame.npy"))  # not train_x
     pairs = hashlib.sha256(data["pairs"].tobytes() + data["issame"].tobytes()).hexdigest()
     cache_path = recipe.out / "scores.json"
     saved = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
@@ -251,10 +261,7 @@ def main(argv: list[str] | None = None) -> int:
                     recipe = replace(Recipe(task, work / task.name
                                             / f"{name}-r{rate:g}{processes}"),
                                      seed=seed, sample_rate=rate, epochs=args.epochs,
-                                     center_update=arm.center_update, power=arm.power,
-                                     momentum_form=arm.momentum_form,
-                                     seeding=arm.seeding,
-                                     margin_gradient=arm.margin_gradient)
+                                     **arm.changes)
                     started = time.perf_counter()
                     result = run_arm(arm, recipe, args)
                     if result is None:

@@ -148,10 +148,11 @@ def write_task(task: Task, folder: Path) -> Path:
     return out
 
 
-def load_task(folder: Path) -> dict[str, np.ndarray]:
-    """The arrays write_task saved, by name (train_x, ...); a missing file named."""
+def load_task(folder: Path, files: tuple[str, ...] = FILES) -> dict[str, np.ndarray]:
+    """The arrays write_task saved (all, or `files`), by name (train_x, ...); a missing
+    file named."""
     arrays = {}
-    for name in FILES:
+    for name in files:
         path = Path(folder) / name
         if not path.is_file():
             raise SystemExit(f"{path} does not exist: make the task with "
