@@ -145,3 +145,57 @@ def test_a_run_of_the_earlier_layout_resumes_and_loads(tmp_path, synthetic):
     loaded = run(train_args(more, tmp_path / "loaded", "--load-from",
                             str(work / "checkpoints" / "step_000002")), timeout=300)
     assert loaded.returncode == 0, loaded.stdout[-3000:]
+
+
+MOBILEFACENET_AT_512 = """
+import mxnet as mx, numpy as np
+from partial_fc_mx.backbones import get_model
+net = get_model("{name}", 512)
+net.initialize(mx.init.Xavier())
+net.hybridize(static_alloc=True, static_shape=True)
+images = mx.nd.array(np.random.default_rng(0).standard_normal((4, 3, 112, 112)),
+                     dtype="float32")
+with mx.autograd.record():
+    loss = net(images).sum()
+loss.backward()
+print(net(images).asnumpy().shape)
+"""
+
+
+@pytest.mark.parametrize("name", ["mbf", "mobilefacenet"])
+def test_mobilefacenet_with_the_default_embedding_trains_and_embeds_on_this_cpu(name):
+    """Its 512-d embedding has as many channels as the GDC before it, which crashed
+    oneDNN's BatchNorm on AVX-512 CPUs (backbones/mobilefacenet.py). In a process of its
+    own, so that a crash fails this test only; without an ISA cap: the host's own."""
+    done = run([sys.executable, "-c", MOBILEFACENET_AT_512.format(name=name)])
+    assert done.returncode == 0 and "(4, 512)" in done.stdout, done.stdout
+
+
+def test_mobilefacenets_embedding_is_batch_normalized_per_column():
+    """The N x E x 1 x 1 view the embedding's BatchNorm reads gives the numbers of a
+    BatchNorm over the N x E matrix: the batch's statistics in training, the running
+    ones in inference."""
+    net = get_model("mobilefacenet", 64)
+    net.initialize(mx.init.Xavier())
+    net.hybridize()
+    images = mx.nd.random.uniform(shape=(6, 3, 112, 112))
+    net.infer_shape(images)
+    for param in net.collect_params().values():
+        param._finish_deferred_init()
+    flatten, dropout, dense, batch_norm = net.head
+    batch_norm.gamma.set_data(mx.nd.random.uniform(0.5, 1.5, shape=(64,)))
+    batch_norm.beta.set_data(mx.nd.random.uniform(-1, 1, shape=(64,)))
+    gamma, beta = batch_norm.gamma.data().asnumpy(), batch_norm.beta.data().asnumpy()
+    eps = batch_norm._kwargs["eps"]
+
+    def embedding() -> np.ndarray:
+        return dense(dropout(flatten(net.features(images)))).asnumpy()
+
+    with mx.autograd.record():
+        trained, before = net(images).asnumpy(), embedding()
+    by_batch = (before - before.mean(0)) / np.sqrt(before.var(0) + eps)
+    np.testing.assert_allclose(trained, gamma * by_batch + beta, rtol=1e-4, atol=1e-4)
+    inferred, after = net(images).asnumpy(), embedding()
+    mean, var = batch_norm.running_mean.data().asnumpy(), batch_norm.running_var.data().asnumpy()
+    by_running = (after - mean) / np.sqrt(var + eps)
+    np.testing.assert_allclose(inferred, gamma * by_running + beta, rtol=1e-4, atol=1e-4)

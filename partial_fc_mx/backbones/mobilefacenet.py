@@ -40,7 +40,16 @@ class DepthWise(HybridBlock):
 
 class MobileFaceNet(HybridBlock):
     """Hybridize before use: MXNet 1.9.1's imperative oneDNN path crashes on this
-    net's head at batch sizes above 1 (the hybridized graph runs fine)."""
+    net's head at batch sizes above 1 (the hybridized graph runs fine).
+
+    The embedding's BatchNorm normalizes an N x E x 1 x 1 view of the embedding, not
+    the N x E matrix itself (the same numbers: one mean and variance per column). On
+    the matrix, MXNet 1.9.1's oneDNN BatchNorm crashed (segmentation fault, at any
+    batch size, in training and inference) when E is 512, the default, on an AVX-512
+    CPU: E equal to the channels of the GDC's BatchNorm before it (E = 128, 256, 1024
+    ran, as did DNNL_MAX_CPU_ISA=AVX2), whose cached oneDNN primitive is the likely
+    culprit. The 4-d view runs on both ISAs; the parameters keep their names and
+    shapes, so checkpoints load as before."""
 
     def __init__(self, embedding_size: int = 512, dropout: float = 0.0, scale: int = 1) -> None:
         super().__init__()
@@ -64,4 +73,6 @@ class MobileFaceNet(HybridBlock):
                       nn.BatchNorm(epsilon=BN_EPS))
 
     def hybrid_forward(self, F, x):
-        return self.head(self.features(x))
+        flatten, dropout, dense, batch_norm = self.head
+        embedding = dense(dropout(flatten(self.features(x))))
+        return F.flatten(batch_norm(F.reshape(embedding, (0, -1, 1, 1))))
