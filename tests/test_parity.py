@@ -14,17 +14,59 @@ import pytest
 from conftest import mpirun
 
 from partial_fc_mx.data.loader import FaceLoader
+from partial_fc_mx.data.transforms import decode_face, to_network_input
 from partial_fc_mx.parity.__main__ import Result, difference, same_recipe, scored, table
-from partial_fc_mx.parity.recipe import Recipe, command_line, evaluation_steps, parse
+from partial_fc_mx.parity.images import SHARED
+from partial_fc_mx.parity.recipe import Recipe, check_network, command_line, evaluation_steps, parse
 from partial_fc_mx.parity.scoring import all_pairs, score
-from partial_fc_mx.parity.task import FAMILY, Task, load_task, rank_rows, write_task
+from partial_fc_mx.parity.task import FAMILY, Task, as_input, load_task, rank_rows, write_task
+from partial_fc_mx.prep.synthetic import identity_images
 
 SMALL = Task(classes=60, per_class=4, heldout=40, heldout_per_class=3, pairs=60)
+IMAGES = Task(classes=10, per_class=2, heldout=10, heldout_per_class=2, pairs=10,
+              kind="images")
 
 
 @pytest.fixture(scope="module")
 def small_task(tmp_path_factory) -> Path:
     return write_task(SMALL, tmp_path_factory.mktemp("parity"))
+
+
+@pytest.fixture(scope="module")
+def images_task(tmp_path_factory) -> Path:
+    return write_task(IMAGES, tmp_path_factory.mktemp("parity-images"))
+
+
+def test_the_images_task_holds_the_look_alike_faces_as_our_loader_decodes_them(
+        images_task, tmp_path):
+    data = load_task(images_task)
+    assert images_task.name == "images10x2-heldout10x2-seed0"
+    assert data["train_x"].shape == (20, 112, 112, 3) and data["train_x"].dtype == np.uint8
+    np.testing.assert_array_equal(data["train_y"], np.arange(10).repeat(2))
+    np.testing.assert_array_equal(data["heldout_y"], np.arange(10).repeat(2))
+    fourth = [decode_face(jpeg)[0] for jpeg in identity_images(0, 3, 2, SHARED)]
+    np.testing.assert_array_equal(data["train_x"][6:8], np.stack(fourth))
+    first_heldout = [decode_face(jpeg)[0] for jpeg in identity_images(0, 10, 2, SHARED)]
+    np.testing.assert_array_equal(data["heldout_x"][:2], np.stack(first_heldout))
+    again = load_task(write_task(IMAGES, tmp_path))  # from the seed alone
+    np.testing.assert_array_equal(again["train_x"], data["train_x"])
+
+
+def test_both_arms_read_the_inputs_our_trainer_reads(images_task, small_task):
+    images = load_task(images_task)["train_x"][:3]
+    np.testing.assert_array_equal(as_input(images), to_network_input(np.asarray(images)))
+    vectors = load_task(small_task)["train_x"][:3]
+    copy = as_input(vectors)
+    assert copy.flags.writeable and np.array_equal(copy, vectors)  # torch takes it as is
+
+
+def test_a_network_that_cannot_read_the_task_is_refused(images_task, small_task):
+    check_network(Recipe(images_task, Path("/o"), network="mbf"), 4)
+    check_network(Recipe(small_task, Path("/o")), 2)
+    with pytest.raises(SystemExit, match="--network mlp trains on the scale"):
+        check_network(Recipe(images_task, Path("/o")), 4)
+    with pytest.raises(SystemExit, match="--network r18 trains on an images task"):
+        check_network(Recipe(small_task, Path("/o"), network="r18"), 2)
 
 
 def test_pairs_of_another_draw_are_drawn_again_and_their_scores_too(small_task, tmp_path):
@@ -173,6 +215,19 @@ def test_our_arm_trains_for_real_and_its_embeddings_are_scored(small_task, tmp_p
     assert first[0] == steps // 2 and last[0] == steps
     assert 0.5 <= last[1].accuracy <= 1.0
     assert json.loads((out / "scores.json").read_text())  # kept: not scored twice
+
+
+def test_our_arm_trains_a_backbone_on_the_images_task(images_task, tmp_path):
+    out = tmp_path / "ours"
+    recipe = Recipe(images_task, out, sample_rate=0.5, epochs=1, batch_size=5,
+                    embedding_size=512, evaluations=1, network="mbf")
+    done = mpirun(2, [sys.executable, "-m", "partial_fc_mx.parity.ours",
+                      *command_line(recipe)], timeout=300)
+    assert done.returncode == 0, done.stdout
+    log = json.loads((out / "log.json").read_text())
+    assert log["steps"] == 20 // 10 and all(np.isfinite(log["loss"]))
+    embeddings = np.load(out / "embeddings-000002.npy")
+    assert embeddings.shape == (20, 512) and np.isfinite(embeddings).all()
 
 
 def test_a_finished_run_is_reused_only_for_its_own_recipe():

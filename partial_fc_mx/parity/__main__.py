@@ -5,6 +5,10 @@ the same recipe over several seeds, scored by one evaluator, side by side.
         --arms ours-exact ours-lazy arcface_torch \\
         --arcface-torch insightface/recognition/arcface_torch --torch-python torch-venv/bin/python
 
+`--kind images` runs the images task instead (task.py, images.py): a face backbone
+(`--network`, default mbf) on 3,000 look-alike identities, with the recipe changes
+IMAGES_RECIPE lists.
+
 Each arm of each seed and rate is kept in --work/<task>/<arm>-r<rate>: a finished run
 (its log.json) with the same recipe is not trained again, so arms, seeds and rates can
 be added and the tables printed again. One arm at a time: the machine's cores are the
@@ -30,9 +34,9 @@ from pathlib import Path
 import numpy as np
 
 from ..quality import REPO, mpirun_on_this_host
-from .recipe import Recipe, command_line
+from .recipe import BACKBONES, Recipe, command_line
 from .scoring import FARS, Score, score
-from .task import Task, load_task, write_task
+from .task import KINDS, Task, load_task, write_task
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,29 @@ train_v2.py have an arm of their own: it decays the rate with power 1, ours with
 shards start as one matrix (-rank-seeds seeds each rank apart); and its ArcFace margin
 passes the plain cosine's gradient (-exact-margin differentiates it, as ours does;
 recipe.py); -all-three changes the three at once."""
+
+
+IMAGES_RECIPE = {"embedding_size": 512, "batch_size": 64, "epochs": 4, "evaluations": 5}
+"""The images task's recipe, where it differs from the scale task's: arcface_torch's
+512-d embedding, and the batch and epochs of the earlier sampling study (748 steps;
+an mbf step of ours takes 16 s on this 2-core machine, arcface_torch's 4.6 s:
+docs/parity.md)."""
+IMAGES_HELDOUT = 600
+"""Held-out identities of the images task (x 5 images: 4.5 million pairs, of which
+6,000 genuine): each evaluation embeds them all with the backbone."""
+
+
+def task_of(kind: str, classes: int, per_class: int, seed: int) -> Task:
+    heldout = {"heldout": IMAGES_HELDOUT} if kind == "images" else {}
+    return Task(classes, per_class, seed=seed, kind=kind, **heldout)
+
+
+def recipe_changes(args: argparse.Namespace) -> dict:
+    """The recipe fields the study's options set, the task's own defaults first."""
+    if args.kind == "latent":
+        return {"epochs": args.epochs or Recipe.epochs}
+    return {**IMAGES_RECIPE, "network": args.network,
+            **({"epochs": args.epochs} if args.epochs else {})}
 
 
 @dataclass
@@ -236,8 +263,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rates", type=float, nargs="+", default=[1.0, 0.1])
     parser.add_argument("--arms", nargs="+", default=["ours-exact", "arcface_torch"],
                         choices=sorted(ARMS))
+    parser.add_argument("--kind", choices=KINDS, default="latent",
+                        help="the scale task's vectors or the images task's pictures")
+    parser.add_argument("--network", choices=BACKBONES, default="mbf",
+                        help="the images task's backbone (the scale task trains an MLP)")
     parser.add_argument("--per-class", type=int, default=8)
-    parser.add_argument("--epochs", type=int, default=Recipe.epochs)
+    parser.add_argument("--epochs", type=int,
+                        help=f"default: {Recipe.epochs} (scale task), "
+                        f"{IMAGES_RECIPE['epochs']} (images)")
     parser.add_argument("--np", type=int, default=2, help="processes per run")
     parser.add_argument("--work", type=Path, default=Path("work_dirs/parity"))
     parser.add_argument("--arcface-torch", type=Path,
@@ -254,13 +287,14 @@ def main(argv: list[str] | None = None) -> int:
         for rate in args.rates:
             by_arm = cells.setdefault((classes, rate), {})
             for seed in args.seeds:
-                task = write_task(Task(classes, args.per_class, seed=seed), work / "data")
+                task = write_task(task_of(args.kind, classes, args.per_class, seed),
+                                  work / "data")
                 for name in args.arms:
                     arm = ARMS[name]
                     processes = "" if args.np == 2 else f"-np{args.np}"
                     recipe = replace(Recipe(task, work / task.name
                                             / f"{name}-r{rate:g}{processes}"),
-                                     seed=seed, sample_rate=rate, epochs=args.epochs,
+                                     seed=seed, sample_rate=rate, **recipe_changes(args),
                                      **arm.changes)
                     started = time.perf_counter()
                     result = run_arm(arm, recipe, args)

@@ -3,9 +3,10 @@ train_v2.py trains, with its own modules loaded from an insightface checkout
 unmodified (PartialFC_V2, CombinedMarginLoss, PolynomialLRWarmup): one torch SGD
 (momentum, weight decay) over the network and the centres, the network in
 DistributedDataParallel, the backbone's gradient clipped at norm 5, every rank seeded
-alike (train_v2.py's setup_seed). Only the data (task.py's arrays, in our loader's
-order) and the network (the MLP both arms share) are the study's. Runs in a torch
-environment (CPU, gloo) that has no MXNet:
+alike (train_v2.py's setup_seed); on the images task, the backbone its own
+`get_model` builds, as train_v2.py calls it. Only the data (task.py's arrays, in our
+loader's order) and the scale task's MLP are the study's. Runs in a torch
+environment (CPU, gloo; torch, numpy and OpenCV) that has no MXNet:
 
     PYTHONPATH=<this repository> torch-venv/bin/torchrun --nproc-per-node 2 \\
         -m partial_fc_mx.parity.anchor --arcface-torch insightface/recognition/arcface_torch \\
@@ -25,8 +26,9 @@ import numpy as np
 
 from ..bench.anchor import load_reference
 from ..pfc.threads import rank_threads
-from .recipe import Recipe, add_arguments, evaluation_steps, from_args, write_log
-from .task import INPUT, load_task, rank_rows, steps_per_epoch
+from ..tools.anchor_shapes import anchor_get_model
+from .recipe import Recipe, add_arguments, check_network, evaluation_steps, from_args, write_log
+from .task import INPUT, as_input, load_task, rank_rows, steps_per_epoch
 
 FILES = ("partial_fc_v2.py", "losses.py", "lr_scheduler.py")
 
@@ -42,6 +44,24 @@ def mlp(torch, recipe: Recipe):
     layers += [torch.nn.Linear(fan_in, recipe.embedding_size, bias=False),
                torch.nn.BatchNorm1d(recipe.embedding_size)]
     return torch.nn.Sequential(*layers)
+
+
+def network(torch, recipe: Recipe, arcface_torch: Path):
+    """The MLP, or arcface_torch's backbone as train_v2.py builds it (float32)."""
+    if recipe.network == "mlp":
+        return mlp(torch, recipe)
+    return anchor_get_model(arcface_torch)(recipe.network, dropout=0.0, fp16=False,
+                                           num_features=recipe.embedding_size)
+
+
+def embed(torch, module, rows: np.ndarray, batch: int) -> np.ndarray:
+    """The held-out embeddings in eval mode, `batch` rows at a time (as ours.embed)."""
+    module.eval()
+    with torch.no_grad():
+        embeddings = np.concatenate([module(torch.from_numpy(as_input(
+            rows[start:start + batch]))).numpy() for start in range(0, len(rows), batch)])
+    module.train()
+    return embeddings
 
 
 def accept_verbose(torch) -> None:
@@ -94,6 +114,9 @@ def exact_arcface(torch, scale: float, margin: float):
 
 def train(recipe: Recipe, arcface_torch: Path) -> None:
     reference = load_reference(arcface_torch, FILES)  # before any collective: fails alike
+    data = load_task(recipe.task)
+    x, y = data["train_x"], data["train_y"]
+    check_network(recipe, x.ndim)
     import torch
     from torch import distributed
 
@@ -102,11 +125,9 @@ def train(recipe: Recipe, arcface_torch: Path) -> None:
     torch.set_num_threads(rank_threads())
     torch.Tensor.cuda = lambda self, *args, **kwargs: self  # the reference moves tensors
     torch.manual_seed(recipe.seed)  # train_v2.py's setup_seed: every rank alike
-    data = load_task(recipe.task)
-    x, y = torch.from_numpy(data["train_x"]), torch.from_numpy(data["train_y"])
     num_classes = int(y.max()) + 1
-    backbone = torch.nn.parallel.DistributedDataParallel(mlp(torch, recipe),
-                                                         broadcast_buffers=False)
+    backbone = torch.nn.parallel.DistributedDataParallel(
+        network(torch, recipe, arcface_torch), broadcast_buffers=False)
     margin = reference["losses"].CombinedMarginLoss(64, 1.0, 0.5, 0.0)
     if recipe.margin_gradient == "exact":
         margin = exact_arcface(torch, 64.0, 0.5)
@@ -125,14 +146,13 @@ def train(recipe: Recipe, arcface_torch: Path) -> None:
                                                              total_iters=total,
                                                              power=recipe.power)
     evaluate_at = evaluation_steps(total, recipe.evaluations)
-    heldout = torch.from_numpy(data["heldout_x"])
     losses, seconds, step = [], [], 0
     started = time.perf_counter()
     for epoch in range(recipe.epochs):
         for rows in rank_rows(len(y), global_batch, recipe.seed, epoch, rank, world):
             begin = time.perf_counter()
-            rows = torch.from_numpy(rows)
-            loss = pfc(backbone(x[rows]), y[rows].clone())  # it rewrites its labels
+            labels = torch.from_numpy(np.asarray(y[rows]))  # a copy: pfc rewrites it
+            loss = pfc(backbone(torch.from_numpy(as_input(x[rows]))), labels)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(backbone.parameters(), recipe.clip_grad)
             if recipe.momentum_form == "mxnet":
@@ -145,10 +165,8 @@ def train(recipe: Recipe, arcface_torch: Path) -> None:
             seconds.append(time.perf_counter() - begin)
             step += 1
             if step in evaluate_at and rank == 0:
-                module = backbone.module.eval()
-                with torch.no_grad():
-                    np.save(recipe.out / f"embeddings-{step:06d}.npy", module(heldout).numpy())
-                module.train()
+                np.save(recipe.out / f"embeddings-{step:06d}.npy",
+                        embed(torch, backbone.module, data["heldout_x"], recipe.batch_size))
     if rank == 0:
         write_log(recipe, "arcface_torch", losses, seconds, time.perf_counter() - started,
                   total)

@@ -2,8 +2,9 @@
 step, `train.train_step` (the trainer's: Partial FC's forward and backward, the
 backbone's Horovod-averaged update with its gradient clipped, the centres' update),
 its classifier as the trainer builds it from a config, its learning-rate schedule
-(run/schedule.py) and its backbone optimizer; only the data (task.py's arrays in our
-loader's order) and the network (the MLP both arms share) are the study's.
+(run/schedule.py), its backbone optimizer and, on the images task, its backbone as
+the trainer builds and initialises it (float32); only the data (task.py's arrays in
+our loader's order) and the scale task's MLP are the study's.
 
     mpirun -np 2 python -m partial_fc_mx.parity.ours --task DIR --out DIR --sample-rate 0.1
 """
@@ -22,11 +23,11 @@ from .. import dist
 from ..backbones.iresnet import prelu
 from ..config import Config
 from ..data.loader import Batch
-from ..run.precision import LossScaler
+from ..run.precision import LossScaler, build_backbone
 from ..run.schedule import Schedule
 from ..train import build_classifier, make_trainer, train_step
-from .recipe import Recipe, evaluation_steps, parse, write_log
-from .task import INPUT, load_task, rank_rows, steps_per_epoch
+from .recipe import Recipe, check_network, evaluation_steps, parse, write_log
+from .task import INPUT, as_input, load_task, rank_rows, steps_per_epoch
 
 
 def mlp(recipe: Recipe) -> nn.HybridSequential:
@@ -46,6 +47,24 @@ def dense(width: int, fan_in: int) -> nn.Dense:
                     weight_initializer=mx.init.Uniform(1 / np.sqrt(fan_in)))
 
 
+def network(recipe: Recipe, config: Config, ctx: mx.Context) -> mx.gluon.HybridBlock:
+    """The MLP, initialised; or the backbone as the trainer builds it."""
+    if recipe.network != "mlp":
+        return build_backbone(config, ctx)[0]
+    net = mlp(recipe)
+    net.initialize(ctx=ctx)
+    net.hybridize(static_alloc=True)
+    net(mx.nd.zeros((2, INPUT), ctx=ctx))
+    return net
+
+
+def embed(net, rows: np.ndarray, batch: int, ctx: mx.Context) -> np.ndarray:
+    """The held-out embeddings, `batch` rows at a time (a backbone's activations of
+    5,000 images at once would not fit)."""
+    return np.concatenate([net(mx.nd.array(as_input(rows[start:start + batch]), ctx=ctx))
+                           .asnumpy() for start in range(0, len(rows), batch)])
+
+
 def recipe_config(recipe: Recipe, num_classes: int) -> Config:
     """The trainer's config for `recipe` (ArcFace s = 64, m = 0.5; SGD), validated."""
     config = Config(num_classes=num_classes, embedding_size=recipe.embedding_size,
@@ -54,7 +73,8 @@ def recipe_config(recipe: Recipe, num_classes: int) -> Config:
                     weight_decay=recipe.weight_decay, clip_grad=recipe.clip_grad,
                     center_update=recipe.center_update, seed=recipe.seed,
                     margin_list=(1.0, 0.5, 0.0), scale=64.0, num_epoch=recipe.epochs,
-                    lr_power=recipe.power)
+                    lr_power=recipe.power,
+                    **({} if recipe.network == "mlp" else {"network": recipe.network}))
     config.validate()
     return config
 
@@ -65,16 +85,14 @@ def train(recipe: Recipe) -> None:
         raise SystemExit("--momentum-form, --seeding and --margin-gradient are "
                          "arcface_torch's diagnostics: ours is MXNet's SGD, draws each "
                          "class's centre from its id and differentiates its margin")
-    world, ctx = dist.init(), mx.cpu()
     data = load_task(recipe.task)
     x, y = data["train_x"], data["train_y"]
+    check_network(recipe, x.ndim)
+    world, ctx = dist.init(), mx.cpu()
     config = recipe_config(recipe, int(y.max()) + 1)
     config.check_world_size(world.size)
     mx.random.seed(recipe.seed)
-    net = mlp(recipe)
-    net.initialize(ctx=ctx)
-    net.hybridize(static_alloc=True)
-    net(mx.nd.zeros((2, INPUT), ctx=ctx))
+    net = network(recipe, config, ctx)
     dist.broadcast_parameters(net.collect_params(), root_rank=0)
     run = SimpleNamespace(trainer=make_trainer(config, net), scaler=LossScaler(False),
                           ctx=ctx, model=net, net=net, world=world, config=config,
@@ -92,12 +110,13 @@ def train(recipe: Recipe) -> None:
             lr = schedule.learning_rate(config.lr, schedule.position(
                 epoch, (step % per_epoch) * global_batch))
             begin = time.perf_counter()
-            losses.append(train_step(run, Batch(mx.nd.array(x[rows], ctx=ctx), y[rows]), lr))
+            batch = Batch(mx.nd.array(as_input(x[rows]), ctx=ctx), np.asarray(y[rows]))
+            losses.append(train_step(run, batch, lr))
             seconds.append(time.perf_counter() - begin)
             step += 1
             if step in evaluate_at and world.is_main:
-                embeddings = net(mx.nd.array(data["heldout_x"], ctx=ctx)).asnumpy()
-                np.save(recipe.out / f"embeddings-{step:06d}.npy", embeddings)
+                np.save(recipe.out / f"embeddings-{step:06d}.npy",
+                        embed(net, data["heldout_x"], recipe.batch_size, ctx))
     if world.is_main:
         write_log(recipe, "ours", losses, seconds, time.perf_counter() - started, total)
 

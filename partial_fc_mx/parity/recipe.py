@@ -1,15 +1,18 @@
 """What both arms train: one argument parser, so that an arm of either toolkit is
 started with the same words and cannot drift from the other.
 
-The network is a small MLP written the same way in both toolkits: Linear (no bias)
--> BatchNorm -> PReLU (per channel), twice, then Linear (no bias) -> BatchNorm as the
-embedding (the shape of a face backbone's head). Its Linear weights start uniform in
-+-1/sqrt(fan_in) in both (torch's default for nn.Linear; MXNet's is not), BatchNorm at
-gamma 1, beta 0, PReLU slopes at 0.25. The classifier is each toolkit's own: ArcFace
-(s = 64, m = 0.5) over class centres drawn N(0, 0.01), SGD with momentum and weight
-decay on the network and the centres, polynomial decay of the learning rate to zero
-from the first step, the backbone's gradient clipped at norm 5 (arcface_torch's
-train_v2.py does so always; ours with clip_grad = 5)."""
+On the images task the network is a face backbone both toolkits name alike (`mbf`, r18
+... r200; issue 38 made their layers the same), each built and initialised by its own
+toolkit, as a user of either gets it. On the scale task it is a small MLP written the
+same way in both toolkits: Linear (no bias) -> BatchNorm -> PReLU (per channel),
+twice, then Linear (no bias) -> BatchNorm as the embedding (the shape of a face
+backbone's head). Its Linear weights start uniform in +-1/sqrt(fan_in) in both
+(torch's default for nn.Linear; MXNet's is not), BatchNorm at gamma 1, beta 0, PReLU
+slopes at 0.25. The classifier is each toolkit's own: ArcFace (s = 64, m = 0.5) over
+class centres drawn N(0, 0.01), SGD with momentum and weight decay on the network and
+the centres, polynomial decay of the learning rate to zero from the first step, the
+backbone's gradient clipped at norm 5 (arcface_torch's train_v2.py does so always;
+ours with clip_grad = 5)."""
 
 from __future__ import annotations
 
@@ -18,6 +21,8 @@ import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
+
+from ..tools.anchor_shapes import NAMES as BACKBONES
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,8 @@ class Recipe:
     computes (pfc/margins/combined.py)."""
     evaluations: int = 10
     """Held-out embeddings written this many times along the run (the curves)."""
+    network: str = "mlp"
+    """"mlp" for the scale task; a backbone both toolkits build (BACKBONES) for images."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,7 +77,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 CHOICES = {"center_update": ("exact", "lazy", "dense"), "momentum_form": ("own", "mxnet"),
-           "seeding": ("alike", "per-rank"), "margin_gradient": ("own", "exact")}
+           "seeding": ("alike", "per-rank"), "margin_gradient": ("own", "exact"),
+           "network": ("mlp", *BACKBONES)}
+
+
+def check_network(recipe: Recipe, train_x_dims: int) -> None:
+    """Refuse a network that cannot read the task (every rank alike, before any
+    collective): the MLP reads the scale task's vectors, a backbone images."""
+    reads_images = recipe.network != "mlp"
+    if reads_images != (train_x_dims == 4):
+        wanted = "an images task" if reads_images else "the scale (latent) task"
+        raise SystemExit(f"--network {recipe.network} trains on {wanted}; {recipe.task} "
+                         f"holds {'images' if train_x_dims == 4 else 'vectors'}")
 
 
 def from_args(args: argparse.Namespace) -> Recipe:

@@ -1,5 +1,7 @@
-"""The scale task: many identities that a cheap network can learn, so that the
-classifier, not the backbone, is what a run spends its time on.
+"""The study's two tasks. The scale task ("latent", this module): many identities that
+a cheap network can learn, so that the classifier, not the backbone, is what a run
+spends its time on. The images task ("images", images.py): face-sized pictures of
+look-alike identities for a face backbone both toolkits build alike.
 
 Every identity is a point of a 32-d latent space. Identities come in look-alike
 families (a family's members scatter around its centre, as relatives and
@@ -9,8 +11,9 @@ passed with a view's nuisance (pose, light) through a fixed random non-linear ma
 and tell family members apart. The held-out identities come from families of their
 own, never seen in training.
 
-Both arms read the files written here (numpy only: the torch arm imports this module
-too) and train in the order `rank_rows` gives, the order our loader uses: every
+Both arms read the files written here (numpy and OpenCV only: the torch arm imports
+this module too), turn stored rows into the network's input with `as_input`, and
+train in the order `rank_rows` gives, the order our loader uses: every
 epoch a permutation of the samples from (seed, epoch), global batch k taking
 positions kG .. (k+1)G - 1 and rank r every W-th of them from r.
 """
@@ -22,6 +25,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+
+from ..data.transforms import to_network_input
+
+KINDS = ("latent", "images")
 
 LATENT = 32
 """Dimensions of the identity space."""
@@ -51,10 +58,12 @@ class Task:
     """Genuine pairs of the 10-fold protocol, and as many impostor pairs (half of them
     family members)."""
     seed: int = 0
+    kind: str = "latent"
+    """One of KINDS."""
 
     @property
     def name(self) -> str:
-        return (f"latent{self.classes}x{self.per_class}-heldout{self.heldout}"
+        return (f"{self.kind}{self.classes}x{self.per_class}-heldout{self.heldout}"
                 f"x{self.heldout_per_class}-seed{self.seed}")
 
 
@@ -132,12 +141,7 @@ def write_task(task: Task, folder: Path) -> Path:
         return out
     if not made.is_file():
         out.mkdir(parents=True, exist_ok=True)
-        rng = np.random.default_rng([task.seed, 2038])
-        apply = random_map(rng)
-        points = identity_points(rng, task.classes + task.heldout)
-        train_x, train_y = samples(rng, points[:task.classes], task.per_class, apply)
-        heldout_x, heldout_y = samples(rng, points[task.classes:], task.heldout_per_class,
-                                       apply)
+        train_x, train_y, heldout_x, heldout_y = make_samples(task)
         for name, array in zip(FILES[:4], (train_x, train_y, heldout_x, heldout_y)):
             np.save(out / name, array)
     pairs, issame = verification_pairs(np.random.default_rng([task.seed, 2038, 1]),
@@ -148,17 +152,41 @@ def write_task(task: Task, folder: Path) -> Path:
     return out
 
 
+def make_samples(task: Task) -> tuple[np.ndarray, ...]:
+    """train_x, train_y, heldout_x, heldout_y of `task`; labels count from 0 in each."""
+    if task.kind == "images":
+        from .images import samples as image_samples  # MXNet's environment only: prep/
+
+        return (*image_samples(task.seed, range(task.classes), task.per_class),
+                *image_samples(task.seed, range(task.classes, task.classes + task.heldout),
+                               task.heldout_per_class))
+    rng = np.random.default_rng([task.seed, 2038])
+    apply = random_map(rng)
+    points = identity_points(rng, task.classes + task.heldout)
+    return (*samples(rng, points[:task.classes], task.per_class, apply),
+            *samples(rng, points[task.classes:], task.heldout_per_class, apply))
+
+
 def load_task(folder: Path, files: tuple[str, ...] = FILES) -> dict[str, np.ndarray]:
-    """The arrays write_task saved (all, or `files`), by name (train_x, ...); a missing
-    file named."""
+    """The arrays write_task saved (all, or `files`), by name (train_x, ...), mapped
+    from disk (the images task's 900 MB are read where used, and the ranks share
+    them); a missing file named."""
     arrays = {}
     for name in files:
         path = Path(folder) / name
         if not path.is_file():
             raise SystemExit(f"{path} does not exist: make the task with "
                              "`python -m partial_fc_mx.parity` (it writes it first)")
-        arrays[name.removesuffix(".npy")] = np.load(path)
+        arrays[name.removesuffix(".npy")] = np.load(path, mmap_mode="r")
     return arrays
+
+
+def as_input(rows: np.ndarray) -> np.ndarray:
+    """What a network reads from stored rows: the latent task's as stored; images
+    (uint8, N x H x W x 3) as our loader gives them (N x 3 x H x W float32, (x - 127.5)
+    / 128 as insightface's MXNet code: arcface_torch divides by 127.5, the one
+    difference it would have made), for both arms alike."""
+    return to_network_input(rows) if rows.ndim == 4 else np.array(rows)  # a copy: writable
 
 
 def steps_per_epoch(samples_count: int, global_batch: int) -> int:

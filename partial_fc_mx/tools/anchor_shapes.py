@@ -25,14 +25,21 @@ def shapes_of(model) -> list[list]:
     return [[name, list(parameter.shape)] for name, parameter in model.named_parameters()]
 
 
+def anchor_get_model(arcface_torch: Path):
+    """arcface_torch's own `backbones.get_model`, imported from its folder (the parity
+    study's torch arm builds its backbones with it too)."""
+    sys.path.insert(0, str(arcface_torch.resolve()))
+    from backbones import get_model
+
+    return get_model
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m partial_fc_mx.tools.anchor_shapes")
     parser.add_argument("--arcface-torch", type=Path, required=True,
                         help="the recognition/arcface_torch folder of an insightface checkout")
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(args.arcface_torch))
-    from backbones import get_model
-
+    get_model = anchor_get_model(args.arcface_torch)
     recorded = {name: shapes_of(get_model(name, num_features=512)) for name in NAMES}
     networks = [f"{json.dumps(name)}: [\n" + ",\n".join(json.dumps(layer) for layer in layers)
                 + "\n]" for name, layers in recorded.items()]
