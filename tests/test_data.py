@@ -14,8 +14,9 @@ import pytest
 from conftest import horovodrun_gloo, mpirun, python_module, run
 
 from partial_fc_mx.data.loader import FaceLoader, RandomLoader
+from partial_fc_mx.data.network_input import to_network_input
 from partial_fc_mx.data.recordio import MAGIC, DataError, RecordDataset
-from partial_fc_mx.data.transforms import decode_face, encode_jpeg, to_network_input
+from partial_fc_mx.data.transforms import decode_face, encode_jpeg
 from partial_fc_mx.prep.orl import prepare_orl, read_pgm
 from partial_fc_mx.prep.pack import pack_folder, pack_list, write_records
 from partial_fc_mx.prep.synthetic import identity_images, prepare_synthetic

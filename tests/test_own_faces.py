@@ -13,8 +13,9 @@ from conftest import python_module, run
 
 from partial_fc_mx.data import DataError
 from partial_fc_mx.data.align import ARCFACE_TEMPLATE, align_face, similarity_transform
+from partial_fc_mx.data.network_input import to_network_input
 from partial_fc_mx.data.recordio import RecordDataset
-from partial_fc_mx.data.transforms import decode_face, to_network_input
+from partial_fc_mx.data.transforms import decode_face
 from partial_fc_mx.evaluation import ijb
 from partial_fc_mx.evaluation.verification import load_bin
 from partial_fc_mx.prep.pack import pack_folder, pack_list

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import mpirun
+from conftest import mpirun, run
 
 from partial_fc_mx.data.loader import FaceLoader
-from partial_fc_mx.data.transforms import decode_face, to_network_input
+from partial_fc_mx.data.network_input import to_network_input
+from partial_fc_mx.data.transforms import decode_face
 from partial_fc_mx.parity.__main__ import Result, difference, same_recipe, scored, table
 from partial_fc_mx.parity.images import SHARED
 from partial_fc_mx.parity.recipe import Recipe, check_network, command_line, evaluation_steps, parse
@@ -53,11 +54,39 @@ def test_the_images_task_holds_the_look_alike_faces_as_our_loader_decodes_them(
 
 
 def test_both_arms_read_the_inputs_our_trainer_reads(images_task, small_task):
-    images = load_task(images_task)["train_x"][:3]
-    np.testing.assert_array_equal(as_input(images), to_network_input(np.asarray(images)))
+    images = np.asarray(load_task(images_task)["train_x"][:3])
+    batch = as_input(images)
+    np.testing.assert_array_equal(batch, to_network_input(images))  # our loader's
+    assert batch.shape == (3, 3, 112, 112) and batch.dtype == np.float32
+    np.testing.assert_allclose(batch[1, :, 5, 7], (images[1, 5, 7] - 127.5) / 128)
+    assert batch.flags.c_contiguous  # else torch computes channels-last
     vectors = load_task(small_task)["train_x"][:3]
     copy = as_input(vectors)
     assert copy.flags.writeable and np.array_equal(copy, vectors)  # torch takes it as is
+
+
+def test_the_torch_arm_imports_neither_mxnet_nor_opencv():
+    """arcface_torch's environment has torch and numpy only."""
+    done = run([sys.executable, "-c", "import sys; sys.modules['mxnet'] = None; "
+                "sys.modules['cv2'] = None; import partial_fc_mx.parity.anchor"])
+    assert done.returncode == 0, done.stdout
+
+
+def test_the_study_gives_each_task_its_recipe():
+    from argparse import Namespace
+
+    from partial_fc_mx.parity.__main__ import IMAGES_HELDOUT, recipe_changes, task_of
+
+    latent = Namespace(kind="latent", epochs=None, network="mbf")
+    assert recipe_changes(latent) == {"epochs": Recipe.epochs}
+    assert task_of("latent", 3000, 8, 1) == Task(3000, 8, seed=1)
+    images = Namespace(kind="images", epochs=None, network="r18")
+    changes = recipe_changes(images)
+    assert changes["network"] == "r18" and changes["embedding_size"] == 512
+    assert recipe_changes(Namespace(kind="images", epochs=2, network="mbf"))["epochs"] == 2
+    assert task_of("images", 3000, 8, 0).heldout == IMAGES_HELDOUT
+    with pytest.raises(SystemExit, match="task kind 'video'"):
+        write_task(Task(10, kind="video"), Path("/nonexistent"))
 
 
 def test_a_network_that_cannot_read_the_task_is_refused(images_task, small_task):
@@ -219,14 +248,14 @@ def test_our_arm_trains_for_real_and_its_embeddings_are_scored(small_task, tmp_p
 
 def test_our_arm_trains_a_backbone_on_the_images_task(images_task, tmp_path):
     out = tmp_path / "ours"
-    recipe = Recipe(images_task, out, sample_rate=0.5, epochs=1, batch_size=5,
-                    embedding_size=512, evaluations=1, network="mbf")
+    recipe = Recipe(images_task, out, sample_rate=0.5, epochs=1, batch_size=3,
+                    embedding_size=512, evaluations=1, network="mbf")  # evaluated 3+3+...+2
     done = mpirun(2, [sys.executable, "-m", "partial_fc_mx.parity.ours",
                       *command_line(recipe)], timeout=300)
     assert done.returncode == 0, done.stdout
     log = json.loads((out / "log.json").read_text())
-    assert log["steps"] == 20 // 10 and all(np.isfinite(log["loss"]))
-    embeddings = np.load(out / "embeddings-000002.npy")
+    assert log["steps"] == 20 // 6 and all(np.isfinite(log["loss"]))
+    embeddings = np.load(out / "embeddings-000003.npy")
     assert embeddings.shape == (20, 512) and np.isfinite(embeddings).all()
 
 

@@ -39,10 +39,7 @@ class DepthWise(HybridBlock):
 
 
 class MobileFaceNet(HybridBlock):
-    """Hybridize before use: MXNet 1.9.1's imperative oneDNN path crashes on this
-    net's head at batch sizes above 1 (the hybridized graph runs fine).
-
-    The embedding's BatchNorm normalizes an N x E x 1 x 1 view of the embedding, not
+    """The embedding's BatchNorm normalizes an N x E x 1 x 1 view of the embedding, not
     the N x E matrix itself (the same numbers: one mean and variance per column). On
     the matrix, MXNet 1.9.1's oneDNN BatchNorm crashed (segmentation fault, at any
     batch size, in training and inference) when E is 512, the default, on an AVX-512

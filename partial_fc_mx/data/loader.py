@@ -27,8 +27,9 @@ import numpy as np
 from .. import dist
 from . import DataError
 from .augment import Augmentation
+from .network_input import to_network_input
 from .recordio import RecordDataset, valid_class_ids
-from .transforms import FACE_SIZE, decode_face, decode_in_workers, to_network_input
+from .transforms import FACE_SIZE, decode_face, decode_in_workers
 
 log = logging.getLogger(__name__)
 

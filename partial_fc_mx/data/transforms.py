@@ -1,7 +1,7 @@
-"""Encoded face image -> 112 x 112 RGB, and a batch of them -> the backbone's input.
+"""Encoded face image -> 112 x 112 RGB (a batch of them -> the backbone's input:
+network_input.py).
 
-Decoding happens per image in worker threads (OpenCV releases the GIL); the
-conversion to normalized float32 NCHW is one vectorized pass over the batch.
+Decoding happens per image in worker threads (OpenCV releases the GIL).
 """
 
 from __future__ import annotations
@@ -33,14 +33,6 @@ def decode_face(encoded: bytes, mirror: bool = False) -> tuple[np.ndarray | None
     if mirror:
         image = cv2.flip(image, 1)
     return cv2.cvtColor(image, cv2.COLOR_BGR2RGB), resized
-
-
-def to_network_input(images: np.ndarray) -> np.ndarray:
-    """B x H x W x 3 uint8 -> B x 3 x H x W float32, (x - 127.5) / 128 as insightface."""
-    batch = images.transpose(0, 3, 1, 2).astype(np.float32)
-    batch -= 127.5
-    batch *= 1 / 128
-    return batch
 
 
 def encode_jpeg(rgb: np.ndarray, quality: int = 95) -> bytes:

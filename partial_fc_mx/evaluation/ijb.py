@@ -34,7 +34,8 @@ import numpy as np
 from .. import durable
 from ..data import DataError
 from ..data.align import check_landmarks, unusable_landmarks, warp_to_template
-from ..data.transforms import decode_in_workers, to_network_input
+from ..data.network_input import to_network_input
+from ..data.transforms import decode_in_workers
 from .verification import flip_sum
 
 FARS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1)

@@ -16,7 +16,8 @@ import mxnet as mx
 import numpy as np
 
 from ..data import DataError
-from ..data.transforms import decode_face, to_network_input
+from ..data.network_input import to_network_input
+from ..data.transforms import decode_face
 from ..data.verification_set import FOLDS, read_verification_bin
 
 

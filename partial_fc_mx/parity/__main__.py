@@ -82,7 +82,7 @@ recipe.py); -all-three changes the three at once."""
 IMAGES_RECIPE = {"embedding_size": 512, "batch_size": 64, "epochs": 4, "evaluations": 5}
 """The images task's recipe, where it differs from the scale task's: arcface_torch's
 512-d embedding, and the batch and epochs of the earlier sampling study (748 steps;
-an mbf step of ours takes 16 s on this 2-core machine, arcface_torch's 4.6 s:
+an mbf step of ours takes 16 s on this 2-core machine, arcface_torch's 7.0 s:
 docs/parity.md)."""
 IMAGES_HELDOUT = 600
 """Held-out identities of the images task (x 5 images: 4.5 million pairs, of which

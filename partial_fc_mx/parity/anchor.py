@@ -6,7 +6,7 @@ DistributedDataParallel, the backbone's gradient clipped at norm 5, every rank s
 alike (train_v2.py's setup_seed); on the images task, the backbone its own
 `get_model` builds, as train_v2.py calls it. Only the data (task.py's arrays, in our
 loader's order) and the scale task's MLP are the study's. Runs in a torch
-environment (CPU, gloo; torch, numpy and OpenCV) that has no MXNet:
+environment (CPU, gloo) that has no MXNet:
 
     PYTHONPATH=<this repository> torch-venv/bin/torchrun --nproc-per-node 2 \\
         -m partial_fc_mx.parity.anchor --arcface-torch insightface/recognition/arcface_torch \\

@@ -11,8 +11,8 @@ passed with a view's nuisance (pose, light) through a fixed random non-linear ma
 and tell family members apart. The held-out identities come from families of their
 own, never seen in training.
 
-Both arms read the files written here (numpy and OpenCV only: the torch arm imports
-this module too), turn stored rows into the network's input with `as_input`, and
+Both arms read the files written here (numpy only: the torch arm imports this module
+too), turn stored rows into the network's input with `as_input`, and
 train in the order `rank_rows` gives, the order our loader uses: every
 epoch a permutation of the samples from (seed, epoch), global batch k taking
 positions kG .. (k+1)G - 1 and rank r every W-th of them from r.
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..data.transforms import to_network_input
+from ..data.network_input import to_network_input
 
 KINDS = ("latent", "images")
 
@@ -131,6 +131,8 @@ again (the training data stays: its runs need not train again, only be scored)."
 def write_task(task: Task, folder: Path) -> Path:
     """The task's files in folder/<task.name> (kept: made once per task; the pairs
     drawn from their own generator, so that they can be drawn again alone)."""
+    if task.kind not in KINDS:
+        raise SystemExit(f"task kind {task.kind!r}: one of {', '.join(KINDS)}")
     if task.classes % FAMILY or task.heldout % FAMILY:
         raise SystemExit(f"{task.classes} training and {task.heldout} held-out identities: "
                          f"both must be multiples of {FAMILY}, the family size, so that no "
@@ -169,7 +171,7 @@ def make_samples(task: Task) -> tuple[np.ndarray, ...]:
 
 def load_task(folder: Path, files: tuple[str, ...] = FILES) -> dict[str, np.ndarray]:
     """The arrays write_task saved (all, or `files`), by name (train_x, ...), mapped
-    from disk (the images task's 900 MB are read where used, and the ranks share
+    from disk (the images task's 1 GB is read where used, and the ranks share
     them); a missing file named."""
     arrays = {}
     for name in files:

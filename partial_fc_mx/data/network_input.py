@@ -1,0 +1,15 @@
+"""A batch of decoded faces -> the backbone's input: one vectorized pass, numpy only
+(the parity study's torch environment uses it too, without OpenCV or MXNet)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def to_network_input(images: np.ndarray) -> np.ndarray:
+    """B x H x W x 3 uint8 -> B x 3 x H x W float32, (x - 127.5) / 128 as insightface;
+    C-contiguous (a transposed view would reach torch as channels-last memory)."""
+    batch = images.transpose(0, 3, 1, 2).astype(np.float32, order="C")
+    batch -= 127.5
+    batch *= 1 / 128
+    return batch
