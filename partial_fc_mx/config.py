@@ -215,18 +215,10 @@ class Config:
 
     def check_world_size(self, world_size: int) -> None:
         """What only the number of processes decides; the same answer on every rank."""
-        from .pfc.centers import num_sample, tensor_size_problem
+        from .pfc.centers import sharding_problem, tensor_size_problem
 
-        smallest_shard = self.num_classes // world_size
-        if smallest_shard == 0:
-            raise ConfigError(f"num_classes={self.num_classes} cannot be sharded over "
-                              f"{world_size} processes; use fewer processes")
-        if num_sample(smallest_shard, self.sample_rate) == 0:
-            need = 1 / smallest_shard
-            raise ConfigError(
-                f"sample_rate={self.sample_rate} samples 0 of the {smallest_shard} class "
-                f"centers a process holds ({self.num_classes} classes / {world_size} "
-                f"processes): no negatives would be scored. Use sample_rate >= {need:.3g}")
+        if problem := sharding_problem(self.num_classes, world_size, self.sample_rate):
+            raise ConfigError(problem)
         if problem := tensor_size_problem(self.num_classes, world_size, self.embedding_size,
                                           self.sample_rate, self.batch_size * world_size):
             raise ConfigError(problem)

@@ -87,6 +87,17 @@ def test_bad_input_is_rejected_on_every_rank(launcher, world, case, message):
         assert f"REJECTED rank {rank}: Partial FC input rejected: {message}" in result.stdout
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rate_that_samples_nothing_on_some_rank_is_refused_on_every_rank(rank):
+    """31 classes over 2 ranks hold 16 and 15; a rate of 1/16 samples 1 center of rank
+    0's and none of rank 1's, which failed rank 1 alone inside a step while rank 0
+    waited in a collective. Both constructors refuse it, before any collective."""
+    with pytest.raises(ValueError, match="sample_rate=0.0625 samples 0 of the 15 class "
+                                         "centers a process holds"):
+        PartialFC(31, 8, rank=rank, world_size=2, sample_rate=0.0625)
+    PartialFC(31, 8, rank=rank, world_size=2, sample_rate=1 / 15)  # one center each
+
+
 def test_initial_centers_depend_on_the_class_not_on_the_world_size():
     """Each class's initial center comes from (seed, class index): the same matrix on
     any number of processes, and shards of equal size do not start alike."""

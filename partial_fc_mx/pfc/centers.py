@@ -422,6 +422,21 @@ TOO_MANY_ELEMENTS = (f"more than the {INT32_ELEMENTS:,} one array of this MXNet 
                      "wheels are)")
 
 
+def sharding_problem(num_classes: int, world_size: int, sample_rate: float) -> str | None:
+    """Why `num_classes` cannot be sharded and sampled over `world_size` processes, or
+    None. The smallest shard decides, so every rank gives the same answer: one rank
+    refusing alone would leave the others waiting in the first collective."""
+    smallest_shard = num_classes // world_size
+    if smallest_shard == 0:
+        return (f"num_classes={num_classes} cannot be sharded over {world_size} processes; "
+                "use fewer processes")
+    if num_sample(smallest_shard, sample_rate) == 0:
+        return (f"sample_rate={sample_rate} samples 0 of the {smallest_shard} class centers "
+                f"a process holds ({num_classes} classes / {world_size} processes): no "
+                f"negatives would be scored. Use sample_rate >= {1 / smallest_shard:.3g}")
+    return None
+
+
 def num_sample(shard_size: int, sample_rate: float) -> int:
     """Centers a rank scores per step when the batch's positives fit in the sample."""
     return int(sample_rate * shard_size)

@@ -46,6 +46,7 @@ from .centers import (
     center_dtype,
     num_sample,
     shard_of,
+    sharding_problem,
     tensor_size_problem,
 )
 from .idle_rows import CENTER_UPDATES
@@ -111,8 +112,8 @@ class PartialFC:
         the rows undrawn, for a caller that loads them from a checkpoint next."""
         if not 0 < sample_rate <= 1:
             raise ValueError(f"sample_rate={sample_rate} must be in (0, 1]")
-        if num_classes < world_size:
-            raise ValueError(f"{num_classes} classes cannot be sharded over {world_size} ranks")
+        if problem := sharding_problem(num_classes, world_size, sample_rate):
+            raise ValueError(problem)  # on every rank alike, before any collective
         # the sampled rows only: the logits' size depends on the batch (Config checks both)
         if problem := tensor_size_problem(num_classes, world_size, embedding_size, sample_rate):
             raise ValueError(problem)
