@@ -9,10 +9,15 @@ from pathlib import Path
 
 def default_cache_dir() -> Path:
     """~/.cache/partial_fc_mx (XDG_CACHE_HOME moves ~/.cache; PFC_CACHE_DIR replaces
-    the whole path). install.sh keeps its Horovod wheels there too. RuntimeError where
-    neither is set and there is no home folder (no HOME, a uid without a passwd entry):
-    a cache must not land in a folder named "~" under the current one."""
+    the whole path, taken from the current folder when relative). install.sh keeps its
+    Horovod wheels there too. A relative XDG_CACHE_HOME is ignored, as the XDG
+    specification says. RuntimeError where neither is set and there is no home folder
+    (no HOME, a uid without a passwd entry): a cache must not land in a folder named
+    "~" under the current one. Always absolute: MXNet loads a library only by an
+    absolute path (pfc/kernels)."""
     if folder := os.environ.get("PFC_CACHE_DIR"):
-        return Path(folder)
+        return Path(folder).absolute()
     base = os.environ.get("XDG_CACHE_HOME")
-    return (Path(base) if base else Path.home() / ".cache") / "partial_fc_mx"
+    if base and Path(base).is_absolute():
+        return Path(base) / "partial_fc_mx"
+    return Path.home() / ".cache" / "partial_fc_mx"

@@ -25,7 +25,9 @@ venv=${VENV:-$root/.venv}
 mxnet_package=${MXNET_PACKAGE:-mxnet}
 mxnet_version=1.9.1
 horovod_version=0.28.1
-cache_dir=${PFC_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/partial_fc_mx}
+xdg_cache=${XDG_CACHE_HOME:-}
+[[ $xdg_cache == /* ]] || xdg_cache=$HOME/.cache  # a relative one is ignored (caches.py)
+cache_dir=$(realpath -m "${PFC_CACHE_DIR:-$xdg_cache/partial_fc_mx}")
 
 say() { echo "[install] $*"; }
 die() { echo "[install] ERROR: $*" >&2; exit 1; }

@@ -5,6 +5,7 @@ loud when they cannot be, once when ranks start together, never half-written."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import mxnet as mx
 import numpy as np
 import pytest
+from conftest import REPO, run
 
 from partial_fc_mx.pfc import kernels
 from partial_fc_mx.pfc.buffers import Buffers
@@ -259,6 +261,33 @@ def test_a_damaged_library_is_named_with_what_to_do(monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "build", lambda mxnet: damaged)
     with pytest.raises(kernels.KernelBuildError, match=f"{damaged}.*delete that file"):
         kernels.load.__wrapped__()  # not the process's cached load
+
+
+def test_relative_cache_settings_name_absolute_folders(monkeypatch, tmp_path):
+    """MXNet loads a library by an absolute path only: relative settings are taken from
+    the current folder, and a relative XDG_CACHE_HOME is ignored (the XDG rule)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PARTIAL_FC_MX_KERNELS", "build/kernels")
+    assert kernels.kernel_folder() == tmp_path / "build" / "kernels"
+    monkeypatch.delenv("PARTIAL_FC_MX_KERNELS")
+    monkeypatch.delenv("PFC_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative")
+    assert kernels.kernel_folder() == Path.home() / ".cache" / "partial_fc_mx"
+    monkeypatch.setenv("PFC_CACHE_DIR", "cache")
+    assert kernels.kernel_folder() == tmp_path / "cache"
+
+
+def test_kernels_load_from_a_relative_folder(tmp_path):
+    """The library built where the tests build it, found again under a relative
+    PARTIAL_FC_MX_KERNELS and loaded (in a process of its own: loaded once there)."""
+    library = kernels.build(kernels.mxnet_folder())
+    (tmp_path / "build" / "kernels").mkdir(parents=True)
+    shutil.copy(library, tmp_path / "build" / "kernels" / library.name)
+    done = run([sys.executable, "-c", "from partial_fc_mx.pfc import kernels; kernels.load(); "
+                "print('LOADED', kernels.kernel_folder())"], cwd=tmp_path,
+               env={**os.environ, "PARTIAL_FC_MX_KERNELS": "build/kernels",
+                    "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0 and f"LOADED {tmp_path}/build/kernels" in done.stdout, done.stdout
 
 
 def test_an_unwritable_kernel_folder_is_named(monkeypatch, tmp_path):

@@ -107,7 +107,9 @@ def build(mxnet: Path) -> Path:
 
 
 def kernel_folder() -> Path:
-    return Path(os.environ.get("PARTIAL_FC_MX_KERNELS") or default_cache_dir())
+    """Absolute (a relative PARTIAL_FC_MX_KERNELS from the current folder): MXNet's
+    library loader takes no other path."""
+    return Path(os.environ.get("PARTIAL_FC_MX_KERNELS") or default_cache_dir()).absolute()
 
 
 def fingerprint(command: list[str], inputs: list[Path]) -> str:
