@@ -243,16 +243,20 @@ def test_ranks_that_start_together_build_once_and_a_new_source_builds_anew(tmp_p
     assert calls.read_text().count("x") == 2
 
 
-def test_a_lock_the_file_system_refuses_is_a_build_error(monkeypatch, tmp_path):
-    """flock on a network file system without locks: an error that says what to do, as
-    every failure of the build is (the preflight and start-up report those on every rank)."""
+def test_a_file_system_without_locks_still_builds(monkeypatch, tmp_path):
+    """flock on Lustre mounted noflock or NFS nolock fails although the folder is
+    writable: each rank then builds, and the library is published whole (compile_to)."""
     def refuse(*args):
         raise OSError(37, "No locks available")
 
+    def compile_to(command, library):
+        library.write_bytes(b"built")
+
     monkeypatch.setenv("PARTIAL_FC_MX_KERNELS", str(tmp_path / "kernels"))
     monkeypatch.setattr(kernels.fcntl, "flock", refuse)
-    with pytest.raises(kernels.KernelBuildError, match="No locks available.*PARTIAL_FC_MX_KERN"):
-        kernels.build(kernels.mxnet_folder())
+    monkeypatch.setattr(kernels, "compile_to", compile_to)
+    library = kernels.build(kernels.mxnet_folder())
+    assert library.parent == tmp_path / "kernels" and library.read_bytes() == b"built"
 
 
 def test_a_damaged_library_is_named_with_what_to_do(monkeypatch, tmp_path):

@@ -5,7 +5,8 @@ They are compiled on the machine that runs them, once per version of their sourc
 header and MXNet, into PARTIAL_FC_MX_KERNELS (default: the toolkit's cache folder,
 caches.default_cache_dir): g++ is all they need, and setup-utils/install.sh installs it for
 Horovod's build anyway. Ranks that start together build once: one builds under a file
-lock while the others wait for it, and the library appears under its final name only
+lock while the others wait for it (where the file system has no locks, each builds),
+and the library appears under its final name only
 when complete and on disk, so a rank never loads a half-written file, even on a folder
 that several hosts share. Every failure is a KernelBuildError that says what to do;
 training's start-up raises it on every rank together (train.start).
@@ -97,7 +98,11 @@ def build(mxnet: Path) -> Path:
             return library
         folder.mkdir(parents=True, exist_ok=True)
         with open(folder / f"{library.name}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # another rank may be building it
+            # another rank may be building it; a file system without locks (Lustre
+            # mounted noflock, NFS nolock) refuses: then ranks build alike, and
+            # compile_to publishes whole files only, the first one kept
+            with contextlib.suppress(OSError):
+                fcntl.flock(lock, fcntl.LOCK_EX)
             if not library.is_file():
                 compile_to(command, library)
     except OSError as error:  # raised, like every failure here, by each rank that meets it
