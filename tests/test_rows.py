@@ -294,6 +294,29 @@ def test_kernels_load_from_a_relative_folder(tmp_path):
     assert done.returncode == 0 and f"LOADED {tmp_path}/build/kernels" in done.stdout, done.stdout
 
 
+def test_kernels_that_another_user_could_write_are_refused(monkeypatch, tmp_path):
+    """Every training process loads the library: a folder or library that others can
+    write, or that another user owns, is refused with what to do, before any build."""
+    folder = tmp_path / "kernels"
+    monkeypatch.setenv("PARTIAL_FC_MX_KERNELS", str(folder))
+    monkeypatch.setattr(kernels, "compile_to", lambda command, library: library.write_bytes(b"x"))
+    library = kernels.build(kernels.mxnet_folder())  # a folder of our own: built
+    folder.chmod(0o777)
+    with pytest.raises(kernels.KernelBuildError, match=f"{folder}: it can be written by other "
+                                                        "users.*chmod go-w"):
+        kernels.build(kernels.mxnet_folder())
+    folder.chmod(0o755)
+    library.chmod(0o666)  # planted, or swapped in
+    with pytest.raises(kernels.KernelBuildError, match=f"{library}: it can be written"):
+        kernels.build(kernels.mxnet_folder())
+    library.chmod(0o755)
+    assert kernels.build(kernels.mxnet_folder()) == library
+    someone_else = os.getuid() + 1
+    monkeypatch.setattr(kernels.os, "getuid", lambda: someone_else)
+    with pytest.raises(kernels.KernelBuildError, match="is owned by uid"):
+        kernels.build(kernels.mxnet_folder())
+
+
 def test_an_unwritable_kernel_folder_is_named(monkeypatch, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")

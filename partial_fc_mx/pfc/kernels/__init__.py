@@ -94,9 +94,11 @@ def build(mxnet: Path) -> Path:
                                "set PARTIAL_FC_MX_KERNELS to a writable folder") from error
     try:
         library = folder / f"rows-{fingerprint(command, [*sources, header])}.so"
+        folder.mkdir(parents=True, exist_ok=True, mode=0o755)
+        refuse_if_others_write(folder)
         if library.is_file():
+            refuse_if_others_write(library)
             return library
-        folder.mkdir(parents=True, exist_ok=True)
         with open(folder / f"{library.name}.lock", "w") as lock:
             # another rank may be building it; a file system without locks (Lustre
             # mounted noflock, NFS nolock) refuses: then ranks build alike, and
@@ -109,6 +111,23 @@ def build(mxnet: Path) -> Path:
         raise KernelBuildError(f"cannot build partial_fc_mx's CPU kernels in {folder}: {error}; "
                                "set PARTIAL_FC_MX_KERNELS to a writable folder") from error
     return library
+
+
+def refuse_if_others_write(path: Path) -> None:
+    """The library is loaded into every training process: a folder or file that another
+    user owns or can write could hand it their code (a planted rows-*.so, or one swapped
+    in while a build runs)."""
+    status = path.stat()
+    if status.st_uid != os.getuid():
+        why = f"is owned by uid {status.st_uid}, not by this user (uid {os.getuid()})"
+    elif status.st_mode & 0o022:
+        why = f"can be written by other users (mode {status.st_mode & 0o777:o})"
+    else:
+        return
+    raise KernelBuildError(
+        f"refusing partial_fc_mx's CPU kernels at {path}: it {why}, so another user could "
+        f"replace the code every training process loads. Run `chmod go-w {path}` if it is "
+        "yours, or set PARTIAL_FC_MX_KERNELS to a folder only you can write")
 
 
 def kernel_folder() -> Path:
