@@ -48,9 +48,10 @@ def guarded(result) -> list[tuple[int, int]]:
 def test_training_keeps_every_operator_on_its_device(tmp_path, synthetic):
     """Sampled Partial FC with float16 AdamW centers, AdaFace, clip_grad and the 16-bit
     backbone (bfloat16 where oneDNN runs it), evaluated and saved, then resumed on
-    another number of processes; and full Partial FC with CosFace and SGD. Every rank
-    runs hundreds of operators and the cached graphs under the check, none mixing
-    contexts."""
+    another number of processes; and sampled Partial FC with CosFace and SGD (the exact
+    update). Every rank runs hundreds of operators and the cached graphs under the
+    check, none mixing contexts, through the row passes and the SGD update a GPU runs
+    (MXNet's operators, not the CPU's fused kernels)."""
     keys, dtype = sixteen_bits()
     sampled = config_file(tmp_path, synthetic, name="sampled.py", sample_rate=0.5,
                           fp16_centers=True, center_optimizer="adamw", margin="adaface",
@@ -64,7 +65,7 @@ def test_training_keeps_every_operator_on_its_device(tmp_path, synthetic):
     resumed = run([*WORKER, "train", str(sampled), "--work-dir", str(tmp_path / "resumed"),
                    "--resume-from", str(step_2)], timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-4000:]
-    full = config_file(tmp_path, synthetic, name="full.py", sample_rate=1.0, max_steps=2)
+    full = config_file(tmp_path, synthetic, name="full.py", sample_rate=0.5, max_steps=2)
     second = mpirun(2, [*WORKER, "train", str(full), "--work-dir", str(tmp_path / "full")],
                     timeout=600)
     assert second.returncode == 0, second.stdout[-4000:]
@@ -72,6 +73,10 @@ def test_training_keeps_every_operator_on_its_device(tmp_path, synthetic):
         counts = guarded(result)
         assert len(counts) == ranks, result.stdout[-3000:]
         assert all(operators > 300 and cached >= 1 for operators, cached in counts), counts
+        composed = re.findall(r"COMPOSED (\d+) (\d+)", result.stdout)
+        assert len(composed) == ranks and all(int(rows) >= 1 for rows, _ in composed)
+    sgd_updates = re.findall(r"COMPOSED \d+ (\d+)", second.stdout)
+    assert len(sgd_updates) == 2 and all(int(n) >= 2 for n in sgd_updates)  # SGD's, unfused
     text = logged(work)["text"]
     assert f"2 processes on cpu(1), backbone in {dtype}" in text
     assert logged(work)["accuracy"] and (work / "backbone.onnx").is_file()
