@@ -127,6 +127,22 @@ def test_a_read_only_dataset_keeps_its_cache_in_the_users_cache(tmp_path):
     assert result.stderr.count("parsing ") == 1
 
 
+def test_no_home_folder_keeps_the_cache_beside_the_index(tmp_path, monkeypatch):
+    """A container's uid without a passwd entry and no HOME: the index still opens,
+    cached beside it, and no folder named "~" appears in the current one."""
+    def homeless():
+        raise RuntimeError("Could not determine home directory.")
+
+    for name in ("PFC_CACHE_DIR", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(record_index.Path, "home", homeless)
+    monkeypatch.chdir(tmp_path)
+    path = write_index(tmp_path / "train.idx", random_pairs(3))
+    assert as_dict(open_index(path)) == dict(random_pairs(3))
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
+        "train.idx", "train.idx.cache"]
+
+
 def test_ranks_opening_at_once_build_one_cache(tmp_path):
     """Three processes open a new index at once: one parses it (each builder says so),
     the others wait on the lock and map its cache."""

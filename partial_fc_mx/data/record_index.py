@@ -78,12 +78,12 @@ def open_index(path: Path, cache_dir: Path | None = None) -> RecordIndex:
     stat = path.stat()
     key = {"index": str(path.resolve()), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns,
            "ctime_ns": stat.st_ctime_ns, "inode": stat.st_ino}  # ctime: no tool sets it back
-    beside, elsewhere = cache_places(path, cache_dir)
-    for place in (beside, elsewhere):
+    places = cache_places(path, cache_dir)
+    for place in places:
         if (index := read_cache(place, key)) is not None:
             return index
     parsed = None
-    for place in (beside, elsewhere) if os.access(path.parent, os.W_OK) else (elsewhere,):
+    for place in places if os.access(path.parent, os.W_OK) else places[1:]:
         with contextlib.suppress(OSError), locked(place):
             if (index := read_cache(place, key)) is not None:  # a peer built it meanwhile
                 return index
@@ -95,14 +95,19 @@ def open_index(path: Path, cache_dir: Path | None = None) -> RecordIndex:
     return RecordIndex(*(parsed or parse_index(path)))  # nowhere writable: in memory
 
 
-def cache_places(path: Path, cache_dir: Path | None) -> tuple[Path, Path]:
+def cache_places(path: Path, cache_dir: Path | None) -> list[Path]:
     """Beside the index, and in the user's cache for read-only dataset folders (named
     by the index's path and this host: hosts with their own copies of a dataset at
-    one path may share a home directory)."""
+    one path may share a home directory); without a home folder (no HOME, a uid
+    without a passwd entry) and no cache_dir, beside it only."""
+    beside = path.with_name(f"{path.name}.cache")
+    try:
+        folder = cache_dir or default_cache_dir()
+    except RuntimeError:
+        return [beside]
     name = f"{path.resolve()}:{socket.gethostname()}"
     digest = hashlib.sha256(name.encode()).hexdigest()[:16]
-    elsewhere = (cache_dir or default_cache_dir()) / "index" / f"{path.name}-{digest}.cache"
-    return path.with_name(f"{path.name}.cache"), elsewhere
+    return [beside, folder / "index" / f"{path.name}-{digest}.cache"]
 
 
 @contextlib.contextmanager
