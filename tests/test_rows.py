@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import mxnet as mx
@@ -315,6 +316,25 @@ def test_kernels_that_another_user_could_write_are_refused(monkeypatch, tmp_path
     monkeypatch.setattr(kernels.os, "getuid", lambda: someone_else)
     with pytest.raises(kernels.KernelBuildError, match="is owned by uid"):
         kernels.build(kernels.mxnet_folder())
+
+
+def test_a_new_build_removes_what_old_and_killed_builds_left(monkeypatch, tmp_path):
+    """A killed build's temporary file (older than an hour) and a library of another
+    source or compiler built over 30 days ago, with its lock file, go when a new library
+    is built; recent ones stay (another rank's build, another host's library)."""
+    folder = tmp_path / "kernels"
+    folder.mkdir()
+    month, hour = 31 * 86400, 2 * 3600
+    files = {"tmpold.so.partial": hour, "tmpnew.so.partial": 60, "rows-0ld.so": month,
+             "rows-0ld.so.lock": month, "rows-recent.so": 86400}
+    for name, age in files.items():
+        (folder / name).write_bytes(b"x")
+        os.utime(folder / name, (time.time() - age, time.time() - age))
+    monkeypatch.setenv("PARTIAL_FC_MX_KERNELS", str(folder))
+    monkeypatch.setattr(kernels, "compile_to", lambda command, library: library.write_bytes(b"x"))
+    library = kernels.build(kernels.mxnet_folder())
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        ["tmpnew.so.partial", "rows-recent.so", library.name, f"{library.name}.lock"])
 
 
 def test_an_unwritable_kernel_folder_is_named(monkeypatch, tmp_path):

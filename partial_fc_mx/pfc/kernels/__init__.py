@@ -8,8 +8,10 @@ Horovod's build anyway. Ranks that start together build once: one builds under a
 lock while the others wait for it (where the file system has no locks, each builds),
 and the library appears under its final name only
 when complete and on disk, so a rank never loads a half-written file, even on a folder
-that several hosts share. Every failure is a KernelBuildError that says what to do;
-training's start-up raises it on every rank together (train.start).
+that several hosts share. A new build removes killed builds' temporary files and the
+libraries older sources or compilers built over 30 days before (`prune`). Every
+failure is a KernelBuildError that says what to do; training's start-up raises it on
+every rank together (train.start).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 from ...caches import default_cache_dir
@@ -107,10 +110,33 @@ def build(mxnet: Path) -> Path:
                 fcntl.flock(lock, fcntl.LOCK_EX)
             if not library.is_file():
                 compile_to(command, library)
+                prune(folder, library)
     except OSError as error:  # raised, like every failure here, by each rank that meets it
         raise KernelBuildError(f"cannot build partial_fc_mx's CPU kernels in {folder}: {error}; "
                                "set PARTIAL_FC_MX_KERNELS to a writable folder") from error
     return library
+
+
+PARTIAL_AGE_SECONDS = 3600
+"""A build's temporary file older than this was left by a killed build."""
+OLD_LIBRARY_SECONDS = 30 * 86400
+"""A library of another source, MXNet or compiler built longer ago than this is
+removed when a new one is built (a host that still uses one builds it again)."""
+
+
+def prune(folder: Path, keep: Path) -> None:
+    """What builds leave behind: killed builds' temporary files, and libraries (with
+    their lock files) that older sources, MXNets or compilers built."""
+    now = time.time()
+    for path in folder.glob("*.so.partial"):
+        with contextlib.suppress(OSError):  # another rank's, removed already
+            if now - path.stat().st_mtime > PARTIAL_AGE_SECONDS:
+                path.unlink()
+    for old in folder.glob("rows-*.so"):
+        with contextlib.suppress(OSError):
+            if old != keep and now - old.stat().st_mtime > OLD_LIBRARY_SECONDS:
+                old.unlink()
+                old.with_name(f"{old.name}.lock").unlink(missing_ok=True)
 
 
 def refuse_if_others_write(path: Path) -> None:
