@@ -143,6 +143,28 @@ def test_no_home_folder_keeps_the_cache_beside_the_index(tmp_path, monkeypatch):
         "train.idx", "train.idx.cache"]
 
 
+def test_a_dataset_mounted_at_another_path_uses_the_same_cache(tmp_path):
+    """Hosts that mount one dataset at different paths (a real bind mount here): the
+    second path maps the cache the first built, parses nothing and replaces nothing
+    (a host still mapping a replaced file can fault on NFS)."""
+    data, alias = tmp_path / "data", tmp_path / "alias"
+    data.mkdir()
+    alias.mkdir()
+    write_index(data / "train.idx", random_pairs(4))
+    check = (f"import os, sys; sys.path.insert(0, {os.getcwd()!r}); from pathlib import Path; "
+             "from partial_fc_mx.data.record_index import open_index; "
+             f"open_index(Path({str(data / 'train.idx')!r})); "
+             f"first = os.stat({str(data / 'train.idx.cache')!r}).st_ino; "
+             f"index = open_index(Path({str(alias / 'train.idx')!r})); "
+             f"print('SAME', os.stat({str(data / 'train.idx.cache')!r}).st_ino == first, "
+             "type(index.keys).__name__)")
+    result = subprocess.run(["unshare", "--mount", "sh", "-c",
+                             f"mount --bind {data} {alias} && {sys.executable} -c \"{check}\""],
+                            capture_output=True, text=True, timeout=120)
+    assert "SAME True memmap" in result.stdout, result.stdout + result.stderr
+    assert result.stderr.count("parsing ") == 1
+
+
 def test_ranks_opening_at_once_build_one_cache(tmp_path):
     """Three processes open a new index at once: one parses it (each builder says so),
     the others wait on the lock and map its cache."""

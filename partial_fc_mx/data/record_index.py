@@ -76,7 +76,9 @@ def open_index(path: Path, cache_dir: Path | None = None) -> RecordIndex:
     """The index at `path`, from a valid cache or parsed (and cached) now."""
     path = Path(path)
     stat = path.stat()
-    key = {"index": str(path.resolve()), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+    # the file's identity, not its path: hosts that mount one dataset at different
+    # paths share the cache beside it, and none replaces it under another's mapping
+    key = {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns,
            "ctime_ns": stat.st_ctime_ns, "inode": stat.st_ino}  # ctime: no tool sets it back
     places = cache_places(path, cache_dir)
     for place in places:
