@@ -25,9 +25,14 @@ venv=${VENV:-$root/.venv}
 mxnet_package=${MXNET_PACKAGE:-mxnet}
 mxnet_version=1.9.1
 horovod_version=0.28.1
-xdg_cache=${XDG_CACHE_HOME:-}
-[[ $xdg_cache == /* ]] || xdg_cache=$HOME/.cache  # a relative one is ignored (caches.py)
-cache_dir=$(realpath -m "${PFC_CACHE_DIR:-$xdg_cache/partial_fc_mx}")
+if [[ -n ${PFC_CACHE_DIR:-} ]]; then
+  cache_dir=$(realpath -m -- "$PFC_CACHE_DIR")
+else
+  xdg_cache=${XDG_CACHE_HOME:-}
+  # a relative one is ignored (caches.py)
+  [[ $xdg_cache == /* ]] || xdg_cache=${HOME:?set HOME or PFC_CACHE_DIR}/.cache
+  cache_dir=$xdg_cache/partial_fc_mx
+fi
 
 say() { echo "[install] $*"; }
 die() { echo "[install] ERROR: $*" >&2; exit 1; }

@@ -6,8 +6,9 @@ to partial_fc_mx's command line (train), run under context_guard's dispatch chec
 Partial FC's row passes and SGD's update of the centers are MXNet's operators, as on
 a GPU (ComposedRows, SGD without its fused CPU kernel), not the C++ kernels a CPU
 context gets. Prints GUARDED <operators> <cached graphs> once the command returns,
-and COMPOSED <row passes built> <unfused SGD updates>. With CENTERS_ON_CPU0=1 the
-class centers are put on cpu(0) instead: a deliberate mix.
+and COMPOSED <row passes built> <SGD updates> <SGD replays> (the exact update's, of
+the rows a step did not sample). With CENTERS_ON_CPU0=1 the class centers are put on
+cpu(0) instead: a deliberate mix.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from partial_fc_mx.pfc.center_optimizers import sgd
 from partial_fc_mx.pfc.rows import ComposedRows
 
 dist.device = lambda local_rank: mx.cpu(1)
-composed = {"rows": 0, "sgd": 0}
+composed = {"rows": 0, "update": 0, "replay": 0}
+fused_update, fused_replay = sgd.SGD.update, sgd.SGD.replay
 
 
 def composed_rows(ctx, buffers):
@@ -33,18 +35,24 @@ def composed_rows(ctx, buffers):
     return ComposedRows(buffers)
 
 
-def unfused(centers):
-    composed["sgd"] += 1
-    return False
+def update(self, *args, **kwargs):
+    composed["update"] += 1
+    return fused_update(self, *args, **kwargs)
+
+
+def replay(self, *args, **kwargs):
+    composed["replay"] += 1
+    return fused_replay(self, *args, **kwargs)
 
 
 partial_fc.row_passes = composed_rows
-sgd.fused_kernel_applies = unfused
+sgd.fused_kernel_applies = lambda centers: False  # MXNet's operators, as on a GPU
+sgd.SGD.update, sgd.SGD.replay = update, replay
 if os.environ.get("CENTERS_ON_CPU0"):
     built = train.PartialFC
     train.PartialFC = lambda *args, **kwargs: built(*args, **{**kwargs, "ctx": mx.cpu(0)})
 with guard() as checked:
     code = main(sys.argv[1:])
 print(f"GUARDED {checked.operators} {checked.cached_ops}", flush=True)
-print(f"COMPOSED {composed['rows']} {composed['sgd']}", flush=True)
+print(f"COMPOSED {composed['rows']} {composed['update']} {composed['replay']}", flush=True)
 sys.exit(code)

@@ -261,3 +261,15 @@ def test_the_preflight_says_which_precision_it_will_use(tmp_path, synthetic, cap
     else:
         assert result.returncode == 1 and len(problems) == 1, result.stdout[-3000:]
         assert "cpu_precision='bfloat16': oneDNN cannot run tiny in bfloat16" in problems[0]
+
+
+def test_a_file_system_without_locks_still_gets_an_answer(monkeypatch, tmp_path):
+    """flock fails on Lustre mounted noflock: the rank probes without the lock."""
+    def refuse(*args):
+        raise OSError(37, "No locks available")
+
+    probe = HostProbe("Intel AVX2", "refused")
+    monkeypatch.setattr(cpu_precision.fcntl, "flock", refuse)
+    monkeypatch.setattr(cpu_precision, "cache_folder", lambda: tmp_path)
+    monkeypatch.setattr(cpu_precision, "run_probe", lambda network: (probe, True))
+    assert cpu_precision.cached_probe(("tiny", 64, 0.0)) == probe

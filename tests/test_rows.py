@@ -277,9 +277,9 @@ def test_relative_cache_settings_name_absolute_folders(monkeypatch, tmp_path):
     monkeypatch.delenv("PARTIAL_FC_MX_KERNELS")
     monkeypatch.delenv("PFC_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", "relative")
-    assert kernels.kernel_folder() == Path.home() / ".cache" / "partial_fc_mx"
+    assert kernels.kernel_folder() == Path.home() / ".cache" / "partial_fc_mx" / "kernels"
     monkeypatch.setenv("PFC_CACHE_DIR", "cache")
-    assert kernels.kernel_folder() == tmp_path / "cache"
+    assert kernels.kernel_folder() == tmp_path / "cache" / "kernels"
 
 
 def test_kernels_load_from_a_relative_folder(tmp_path):
@@ -312,10 +312,28 @@ def test_kernels_that_another_user_could_write_are_refused(monkeypatch, tmp_path
         kernels.build(kernels.mxnet_folder())
     library.chmod(0o755)
     assert kernels.build(kernels.mxnet_folder()) == library
-    someone_else = os.getuid() + 1
-    monkeypatch.setattr(kernels.os, "getuid", lambda: someone_else)
-    with pytest.raises(kernels.KernelBuildError, match="is owned by uid"):
-        kernels.build(kernels.mxnet_folder())
+    if os.geteuid() == 0:  # chown needs root, as the suite runs in CI
+        os.chown(library, 12345, -1)
+        with pytest.raises(kernels.KernelBuildError, match=f"{library}: it is owned by uid "
+                                                            "12345"):
+            kernels.build(kernels.mxnet_folder())
+        os.chown(library, 0, -1)
+        monkeypatch.setattr(kernels.os, "getuid", lambda: 12345)  # root's files: trusted
+        assert kernels.build(kernels.mxnet_folder()) == library
+
+
+def test_the_toolkits_own_kernel_folder_is_made_private_whatever_the_umask(monkeypatch,
+                                                                           tmp_path):
+    """A umask of 002 (per-user groups) makes the cache folders group-writable: the
+    kernels' own folder is then tightened, not refused."""
+    monkeypatch.delenv("PARTIAL_FC_MX_KERNELS", raising=False)
+    monkeypatch.setenv("PFC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(kernels, "compile_to", lambda command, library: library.write_bytes(b"x"))
+    (tmp_path / "cache" / "kernels").mkdir(parents=True)
+    (tmp_path / "cache" / "kernels").chmod(0o775)
+    library = kernels.build(kernels.mxnet_folder())
+    assert library.parent == tmp_path / "cache" / "kernels"
+    assert library.parent.stat().st_mode & 0o777 == 0o755
 
 
 def test_a_new_build_removes_what_old_and_killed_builds_left(monkeypatch, tmp_path):
@@ -335,6 +353,9 @@ def test_a_new_build_removes_what_old_and_killed_builds_left(monkeypatch, tmp_pa
     library = kernels.build(kernels.mxnet_folder())
     assert sorted(p.name for p in folder.iterdir()) == sorted(
         ["tmpnew.so.partial", "rows-recent.so", library.name, f"{library.name}.lock"])
+    os.utime(library, (time.time() - 31 * 86400,) * 2)
+    kernels.build(kernels.mxnet_folder())  # loaded again: in use, young again
+    assert time.time() - library.stat().st_mtime < 60
 
 
 def test_an_unwritable_kernel_folder_is_named(monkeypatch, tmp_path):

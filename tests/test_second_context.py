@@ -65,24 +65,25 @@ def test_training_keeps_every_operator_on_its_device(tmp_path, synthetic):
     resumed = run([*WORKER, "train", str(sampled), "--work-dir", str(tmp_path / "resumed"),
                    "--resume-from", str(step_2)], timeout=600)
     assert resumed.returncode == 0, resumed.stdout[-4000:]
-    full = config_file(tmp_path, synthetic, name="full.py", sample_rate=0.5, max_steps=2)
-    second = mpirun(2, [*WORKER, "train", str(full), "--work-dir", str(tmp_path / "full")],
+    with_sgd = config_file(tmp_path, synthetic, name="sgd.py", sample_rate=0.5, max_steps=2)
+    second = mpirun(2, [*WORKER, "train", str(with_sgd), "--work-dir", str(tmp_path / "sgd")],
                     timeout=600)
     assert second.returncode == 0, second.stdout[-4000:]
     for result, ranks in ((first, 2), (resumed, 1), (second, 2)):
         counts = guarded(result)
         assert len(counts) == ranks, result.stdout[-3000:]
         assert all(operators > 300 and cached >= 1 for operators, cached in counts), counts
-        composed = re.findall(r"COMPOSED (\d+) (\d+)", result.stdout)
-        assert len(composed) == ranks and all(int(rows) >= 1 for rows, _ in composed)
-    sgd_updates = re.findall(r"COMPOSED \d+ (\d+)", second.stdout)
-    assert len(sgd_updates) == 2 and all(int(n) >= 2 for n in sgd_updates)  # SGD's, unfused
+        composed = re.findall(r"COMPOSED (\d+) \d+ \d+", result.stdout)
+        assert len(composed) == ranks and all(int(rows) >= 1 for rows in composed)
+    sgd = re.findall(r"COMPOSED \d+ (\d+) (\d+)", second.stdout)  # SGD's, unfused
+    assert len(sgd) == 2 and all(int(updates) >= 2 and int(replays) >= 1
+                                 for updates, replays in sgd), sgd
     text = logged(work)["text"]
     assert f"2 processes on cpu(1), backbone in {dtype}" in text
     assert logged(work)["accuracy"] and (work / "backbone.onnx").is_file()
     assert f"resuming from {step_2}" in logged(tmp_path / "resumed")["text"]
     assert "1 processes on cpu(1)" in logged(tmp_path / "resumed")["text"]
-    assert (tmp_path / "full" / "checkpoints" / "step_000002").is_dir()
+    assert (tmp_path / "sgd" / "checkpoints" / "step_000002").is_dir()
 
 
 def test_the_check_stops_a_run_whose_centers_live_elsewhere(tmp_path, synthetic):

@@ -10,7 +10,8 @@ differ), computed in the same pass as the parse.
 
 The cache lives beside the index (train.idx.cache) or, when the dataset's folder is
 read-only, in ~/.cache/partial_fc_mx/index/. It is used only when its header names
-this index by path, size, modification and change times and inode, and its arrays
+this index by size, modification and change times and inode (the file, not its path:
+hosts that mount one dataset at different paths share the cache beside it), and its arrays
 match their checksum; otherwise (stale, truncated, damaged) it is rebuilt from
 train.idx, under a lock so that the ranks of a host parse the file once.
 """
@@ -171,7 +172,7 @@ def write_cache(place: Path, key: dict, keys: np.ndarray, offsets: np.ndarray,
             "crc32": zlib.crc32(arrays[1], zlib.crc32(arrays[0]))}
     header = CACHE_FORMAT + json.dumps(meta).encode()
     if len(header) > HEADER_BYTES:
-        raise OSError(f"the cache header of {key['index']} is too long")  # a path of 4 KB
+        raise OSError(f"the cache header of {place} is too long")
     partial = place.with_name(f".{place.name}.{os.getpid()}.partial")
     try:
         with open(partial, "wb") as file:

@@ -433,8 +433,16 @@ def sharding_problem(num_classes: int, world_size: int, sample_rate: float) -> s
     if num_sample(smallest_shard, sample_rate) == 0:
         return (f"sample_rate={sample_rate} samples 0 of the {smallest_shard} class centers "
                 f"a process holds ({num_classes} classes / {world_size} processes): no "
-                f"negatives would be scored. Use sample_rate >= {1 / smallest_shard:.3g}")
+                f"negatives would be scored. Use sample_rate >= "
+                f"{rounded_up(1 / smallest_shard):g}")
     return None
+
+
+def rounded_up(value: float, digits: int = 3) -> float:
+    """`value` rounded up to `digits` significant digits (a rate rounded down could
+    sample nothing again: 1/3 shown as 0.333)."""
+    step = 10.0 ** (math.floor(math.log10(value)) - digits + 1)
+    return round(math.ceil(value / step - 1e-6) * step, 12)
 
 
 def num_sample(shard_size: int, sample_rate: float) -> int:

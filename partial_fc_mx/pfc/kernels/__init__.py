@@ -2,8 +2,8 @@
 MXNet with its library API (`mx.library.load`), which then offers them as mx.nd.pfc_*.
 
 They are compiled on the machine that runs them, once per version of their source, the
-header and MXNet, into PARTIAL_FC_MX_KERNELS (default: the toolkit's cache folder,
-caches.default_cache_dir): g++ is all they need, and setup-utils/install.sh installs it for
+header and MXNet, into PARTIAL_FC_MX_KERNELS (default: kernels/ in the toolkit's cache
+folder, caches.default_cache_dir): g++ is all they need, and setup-utils/install.sh installs it for
 Horovod's build anyway. Ranks that start together build once: one builds under a file
 lock while the others wait for it (where the file system has no locks, each builds),
 and the library appears under its final name only
@@ -98,9 +98,13 @@ def build(mxnet: Path) -> Path:
     try:
         library = folder / f"rows-{fingerprint(command, [*sources, header])}.so"
         folder.mkdir(parents=True, exist_ok=True, mode=0o755)
+        if not os.environ.get("PARTIAL_FC_MX_KERNELS"):
+            only_owner_writes(folder)  # the toolkit's own folder, whatever the umask made it
         refuse_if_others_write(folder)
         if library.is_file():
             refuse_if_others_write(library)
+            with contextlib.suppress(OSError):  # in use: prune() keeps it
+                os.utime(library)
             return library
         with open(folder / f"{library.name}.lock", "w") as lock:
             # another rank may be building it; a file system without locks (Lustre
@@ -120,13 +124,14 @@ def build(mxnet: Path) -> Path:
 PARTIAL_AGE_SECONDS = 3600
 """A build's temporary file older than this was left by a killed build."""
 OLD_LIBRARY_SECONDS = 30 * 86400
-"""A library of another source, MXNet or compiler built longer ago than this is
-removed when a new one is built (a host that still uses one builds it again)."""
+"""A library of another source, MXNet or compiler that nothing loaded for this long is
+removed when a new one is built (a host that uses one again builds it again)."""
 
 
 def prune(folder: Path, keep: Path) -> None:
     """What builds leave behind: killed builds' temporary files, and libraries (with
-    their lock files) that older sources, MXNets or compilers built."""
+    their lock files) that older sources, MXNets or compilers built and nothing loaded
+    for OLD_LIBRARY_SECONDS (a load touches its library)."""
     now = time.time()
     for path in folder.glob("*.so.partial"):
         with contextlib.suppress(OSError):  # another rank's, removed already
@@ -139,13 +144,21 @@ def prune(folder: Path, keep: Path) -> None:
                 old.with_name(f"{old.name}.lock").unlink(missing_ok=True)
 
 
+def only_owner_writes(folder: Path) -> None:
+    """Take group and others' write permission off a folder of this user's (a umask of
+    002 gives it to new folders)."""
+    status = folder.stat()
+    if status.st_uid == os.getuid() and status.st_mode & 0o022:
+        folder.chmod(status.st_mode & 0o755)
+
+
 def refuse_if_others_write(path: Path) -> None:
     """The library is loaded into every training process: a folder or file that another
-    user owns or can write could hand it their code (a planted rows-*.so, or one swapped
-    in while a build runs)."""
+    user (root aside) owns or can write could hand it their code (a planted rows-*.so,
+    or one swapped in while a build runs)."""
     status = path.stat()
-    if status.st_uid != os.getuid():
-        why = f"is owned by uid {status.st_uid}, not by this user (uid {os.getuid()})"
+    if status.st_uid not in (os.getuid(), 0):
+        why = f"is owned by uid {status.st_uid}, not by this user (uid {os.getuid()}) or root"
     elif status.st_mode & 0o022:
         why = f"can be written by other users (mode {status.st_mode & 0o777:o})"
     else:
@@ -157,9 +170,11 @@ def refuse_if_others_write(path: Path) -> None:
 
 
 def kernel_folder() -> Path:
-    """Absolute (a relative PARTIAL_FC_MX_KERNELS from the current folder): MXNet's
-    library loader takes no other path."""
-    return Path(os.environ.get("PARTIAL_FC_MX_KERNELS") or default_cache_dir()).absolute()
+    """PARTIAL_FC_MX_KERNELS, else the toolkit cache's kernels/ folder; absolute (a
+    relative setting from the current folder): MXNet's library loader takes no other
+    path."""
+    setting = os.environ.get("PARTIAL_FC_MX_KERNELS")
+    return Path(setting).absolute() if setting else default_cache_dir() / "kernels"
 
 
 def fingerprint(command: list[str], inputs: list[Path]) -> str:
