@@ -28,7 +28,7 @@ from ..bench.anchor import load_reference
 from ..pfc.threads import rank_threads
 from ..tools.anchor_shapes import anchor_get_model
 from .recipe import Recipe, add_arguments, check_network, evaluation_steps, from_args, write_log
-from .task import INPUT, as_input, load_task, rank_rows, steps_per_epoch
+from .task import INPUT, as_input, input_batches, load_task, rank_rows, steps_per_epoch
 
 FILES = ("partial_fc_v2.py", "losses.py", "lr_scheduler.py")
 
@@ -55,11 +55,11 @@ def network(torch, recipe: Recipe, arcface_torch: Path):
 
 
 def embed(torch, module, rows: np.ndarray, batch: int) -> np.ndarray:
-    """The held-out embeddings in eval mode, `batch` rows at a time (as ours.embed)."""
+    """The held-out embeddings in eval mode (task.input_batches, as ours.embed)."""
     module.eval()
     with torch.no_grad():
-        embeddings = np.concatenate([module(torch.from_numpy(as_input(
-            rows[start:start + batch]))).numpy() for start in range(0, len(rows), batch)])
+        embeddings = np.concatenate([module(torch.from_numpy(inputs)).numpy()
+                                     for inputs in input_batches(rows, batch)])
     module.train()
     return embeddings
 

@@ -27,7 +27,7 @@ from ..run.precision import LossScaler, build_backbone
 from ..run.schedule import Schedule
 from ..train import build_classifier, make_trainer, train_step
 from .recipe import Recipe, check_network, evaluation_steps, parse, write_log
-from .task import INPUT, as_input, load_task, rank_rows, steps_per_epoch
+from .task import INPUT, as_input, input_batches, load_task, rank_rows, steps_per_epoch
 
 
 def mlp(recipe: Recipe) -> nn.HybridSequential:
@@ -59,10 +59,9 @@ def network(recipe: Recipe, config: Config, ctx: mx.Context) -> mx.gluon.HybridB
 
 
 def embed(net, rows: np.ndarray, batch: int, ctx: mx.Context) -> np.ndarray:
-    """The held-out embeddings, `batch` rows at a time (a backbone's activations of
-    5,000 images at once would not fit)."""
-    return np.concatenate([net(mx.nd.array(as_input(rows[start:start + batch]), ctx=ctx))
-                           .asnumpy() for start in range(0, len(rows), batch)])
+    """The held-out embeddings (task.input_batches)."""
+    return np.concatenate([net(mx.nd.array(inputs, ctx=ctx)).asnumpy()
+                           for inputs in input_batches(rows, batch)])
 
 
 def recipe_config(recipe: Recipe, num_classes: int) -> Config:

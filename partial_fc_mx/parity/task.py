@@ -191,6 +191,13 @@ def as_input(rows: np.ndarray) -> np.ndarray:
     return to_network_input(rows) if rows.ndim == 4 else np.array(rows)  # a copy: writable
 
 
+def input_batches(rows: np.ndarray, batch: int):
+    """`rows` as the network's input, `batch` at a time (both arms embed the held-out
+    samples so: a backbone's activations of thousands of images at once do not fit)."""
+    for start in range(0, len(rows), batch):
+        yield as_input(rows[start:start + batch])
+
+
 def steps_per_epoch(samples_count: int, global_batch: int) -> int:
     return samples_count // global_batch
 
