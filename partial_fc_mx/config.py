@@ -164,6 +164,10 @@ class Config:
     """Seconds one step (with its evaluation and saving) may take before the process
     prints every thread's stack and exits, so a stuck job fails instead of hanging
     (its launcher then ends the other ranks); 0: wait forever."""
+    heartbeat_timeout: int = 120
+    """Seconds a rank waits for its next step, while another rank's heartbeat has
+    stopped (a frozen process or host), before it names that rank and ends the job
+    (run/heartbeat.py); 0: no heartbeats (the watchdog above remains)."""
     report_baseline: bool = False
     """At the end, also score an eigenfaces (PCA) baseline on the val_targets."""
 
@@ -176,7 +180,8 @@ class Config:
         problems = [f"{key} must be > 0 (got {getattr(self, key)!r})" for key in positive
                     if not getattr(self, key) > 0]
         not_negative = ("num_workers", "max_steps", "warmup_epoch", "save_every",
-                        "stall_timeout", "clip_grad", "momentum", "weight_decay", "num_image")
+                        "stall_timeout", "heartbeat_timeout", "clip_grad", "momentum",
+                        "weight_decay", "num_image")
         problems += [f"{key} must be >= 0 (got {getattr(self, key)!r})" for key in not_negative
                      if not getattr(self, key) >= 0]
         if self.keep_checkpoints < 1:

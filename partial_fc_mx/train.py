@@ -43,6 +43,7 @@ from .run.backbone_optimizer import BackboneAdamW, OptimizerStateError
 from .run.background_export import BackgroundExport
 from .run.checkpoint import CheckpointError, TrainState
 from .run.data_source import make_loader, open_dataset
+from .run.heartbeat import Heartbeat
 from .run.interrupts import StopRequest, Watchdog
 from .run.precision import LossScaler, build_backbone, clip_global_norm
 from .run.schedule import Schedule
@@ -87,7 +88,9 @@ def train(config: Config, resume_from: str | None = None, load_from: str | None 
     batch -> train_step -> after_step, step after step."""
     with StopRequest() as stop, Watchdog(config.stall_timeout) as watchdog:
         run = start(config, resume_from, load_from)  # watched too: a stuck file system
-        with contextlib.closing(run.log), run.exports:
+        with contextlib.closing(run.log), run.exports, Heartbeat(
+                run.work_dir, run.world, socket.gethostname(), config.heartbeat_timeout,
+                run.state.step) as heartbeat:
             first_step = run.state.step
             if first_step == 0 and config.val_targets:
                 evaluate(run)  # the untrained network: what training adds
@@ -97,6 +100,7 @@ def train(config: Config, resume_from: str | None = None, load_from: str | None 
                 lr = learning_rate(run)
                 loss = train_step(run, batch, lr)
                 due = after_step(run, loss, lr, stopping=stop.signal is not None)
+                heartbeat.finished(run.state.step)
                 run.exports.poll()
                 if due.stop:
                     return stop.exit_code

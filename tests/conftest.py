@@ -189,3 +189,52 @@ def logged(work_dir: Path) -> dict:
     accuracy = [(r["step"], r["accuracy"]) for r in records if r["kind"] == "evaluation"]
     return {"losses": {r["step"]: r["loss"] for r in steps}, "steps": steps,
             "accuracy": accuracy, "text": (work_dir / "training.log").read_text()}
+
+
+def damage_header(directory: Path, record_id: int) -> None:
+    """Cut record `record_id` to 10 bytes: shorter than its IRHeader."""
+    import mxnet as mx
+
+    from partial_fc_mx.data.recordio import RecordDataset
+
+    records = RecordDataset(directory).records
+    writer = mx.recordio.MXIndexedRecordIO(str(directory / "x.idx"), str(directory / "x.rec"),
+                                           "w")
+    for key in sorted(records.offsets):
+        raw = records.read_bytes(key)
+        writer.write_idx(key, raw[:10] if key == record_id else raw)
+    writer.close()
+    (directory / "x.rec").replace(directory / "train.rec")
+    (directory / "x.idx").replace(directory / "train.idx")
+
+
+SRUN_STUB = """#!/bin/sh
+# srun as the Slurm tests see it: each call is a line of $SRUN_LOG; a probe of a node
+# named in $SRUN_DEAD fails; a training launch fails the first $SRUN_FAILURES times.
+echo "srun $* CONFIG=$CONFIG PFC_COMMAND=$PFC_COMMAND" >> "$SRUN_LOG"
+last=$(eval echo \\${$#})
+case " $* " in *" -w $SRUN_DEAD true "*) exit 1 ;; esac
+[ "$last" = true ] && exit 0
+failed=$(cat "$SRUN_LOG.failed" 2>/dev/null || echo 0)
+if [ -z "$PFC_COMMAND" ] && [ "$failed" -lt "${SRUN_FAILURES:-0}" ]; then
+  echo $((failed + 1)) > "$SRUN_LOG.failed"
+  echo "srun: error: $SRUN_DEAD: task 9: Killed"
+  exit 137
+fi
+exit 0
+"""
+
+
+def slurm_job(tmp_path: Path, nodes: tuple = ("nodea", "nodeb"), per_node: int = 8) -> dict:
+    """The environment of a Slurm batch job on `nodes` with stub srun and scontrol."""
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "srun").write_text(SRUN_STUB)
+    (stubs / "scontrol").write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && '
+                                    'echo "$3" | tr , "\\n"\n')
+    for stub in ("srun", "scontrol"):
+        (stubs / stub).chmod(0o755)
+    return {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}",
+            "SRUN_LOG": str(tmp_path / "srun.log"), "SLURM_SUBMIT_DIR": str(tmp_path),
+            "SLURM_JOB_NODELIST": ",".join(nodes), "SLURM_NTASKS": str(per_node * len(nodes)),
+            "SLURM_NTASKS_PER_NODE": f"{per_node}(x{len(nodes)})"}

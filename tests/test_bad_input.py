@@ -7,13 +7,9 @@ from __future__ import annotations
 import pickle
 import re
 import shutil
-from pathlib import Path
 
-import mxnet as mx
 import pytest
-from conftest import config_file, mpirun, python_module, run, train_args
-
-from partial_fc_mx.data.recordio import RecordDataset
+from conftest import config_file, damage_header, mpirun, python_module, run, train_args
 
 
 def errors(output: str) -> list[str]:
@@ -68,19 +64,6 @@ def test_sampled_centers_one_mxnet_array_cannot_hold_are_refused_before_allocati
     assert_stopped_saying_once(result, "one process scores 4,500,000 of its 4,500,000 class "
                                    "centers per step", code=1)
     assert "use at least 3 processes" in errors(result.stdout)[0]
-
-
-def damage_header(directory: Path, record_id: int) -> None:
-    """Cut record `record_id` to 10 bytes: shorter than its IRHeader."""
-    records = RecordDataset(directory).records
-    writer = mx.recordio.MXIndexedRecordIO(str(directory / "x.idx"), str(directory / "x.rec"),
-                                           "w")
-    for key in sorted(records.offsets):
-        raw = records.read_bytes(key)
-        writer.write_idx(key, raw[:10] if key == record_id else raw)
-    writer.close()
-    (directory / "x.rec").replace(directory / "train.rec")
-    (directory / "x.idx").replace(directory / "train.idx")
 
 
 def test_a_record_with_a_damaged_header_is_named_on_every_rank(tmp_path, synthetic):

@@ -8,7 +8,7 @@ from pathlib import Path
 import mxnet as mx
 import numpy as np
 import pytest
-from conftest import REPO, horovodrun_gloo, mpirun, python_module, run
+from conftest import REPO, horovodrun_gloo, mpirun, python_module, run, slurm_job
 
 from partial_fc_mx.data.transforms import encode_jpeg
 from partial_fc_mx.prep.pack import write_records
@@ -160,16 +160,8 @@ def test_slurm_script_finds_the_repository_when_submitted_from_elsewhere(tmp_pat
     """sbatch runs a copy of the script from Slurm's spool: submitted from the user's
     folder it must be told where the repository is, and says so; told, srun starts
     the repository's config.sh (a stub srun records what it was given)."""
-    import os
-
     repo = Path(__file__).resolve().parent.parent
-    stubs = tmp_path / "bin"
-    stubs.mkdir()
-    (stubs / "srun").write_text('#!/bin/sh\necho "srun $* CONFIG=$CONFIG PFC_COMMAND=$PFC_COMMAND"'
-                                ' >> "$SRUN_LOG"\n')
-    (stubs / "srun").chmod(0o755)
-    env = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}",
-           "SRUN_LOG": str(tmp_path / "srun.log"), "SLURM_SUBMIT_DIR": str(tmp_path)}
+    env = slurm_job(tmp_path, nodes=("nodea",), per_node=1)
     script = str(repo / "setup-utils" / "slurm.sbatch")
     lost = run(["bash", script], env=env, cwd=tmp_path)
     assert lost.returncode == 2 and f"no config.sh in {tmp_path}" in lost.stdout
@@ -177,9 +169,9 @@ def test_slurm_script_finds_the_repository_when_submitted_from_elsewhere(tmp_pat
                                                 "CONFIG": "mine.py"}, cwd=tmp_path)
     assert told.returncode == 0, told.stdout
     calls = (tmp_path / "srun.log").read_text().splitlines()
-    assert calls == [f"srun --mpi=pmix bash {repo}/config.sh lr=0.2 CONFIG=mine.py "
-                     "PFC_COMMAND=check",
-                     f"srun --mpi=pmix bash {repo}/config.sh lr=0.2 CONFIG=mine.py PFC_COMMAND="]
+    launch = f"srun --mpi=pmix --kill-on-bad-exit=1 -N 1 -n 1 -w nodea bash {repo}/config.sh"
+    assert calls == [f"{launch} lr=0.2 CONFIG=mine.py PFC_COMMAND=check",
+                     f"{launch} lr=0.2 CONFIG=mine.py PFC_COMMAND="]
 
 
 def test_kernels_that_cannot_be_built_are_a_problem_of_the_preflight(tmp_path):

@@ -134,3 +134,29 @@ def test_plot_compares_several_runs_on_the_same_figures(tmp_path, monkeypatch):
     alone = plot_work_dirs([str(tmp_path / "plain" / "split0")])
     assert {p.parent for p in alone} == {tmp_path / "plain" / "split0" / "plots"}
     assert curves["loss.png"]["title"] == f"loss ({tmp_path / 'plain' / 'split0'})"
+
+
+def test_plot_marks_each_restart_where_the_job_had_failed(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    from partial_fc_mx.run.metrics import append_record
+    from partial_fc_mx.tools.plot import plot_work_dirs
+
+    work = tmp_path / "run"
+    write_run(work, [3.0, 2.0, 1.5, 1.0], {})
+    append_record(work, {"kind": "restart", "attempt": 1, "step": 3, "failure": "signal",
+                         "who": "rank 1", "reason": "rank 1 on b was ended by signal 9",
+                         "hosts": ["a", "b"], "processes": 2, "dropped": [], "checkpoint": 2})
+    marks = {}
+    real_savefig = matplotlib.figure.Figure.savefig
+
+    def savefig(figure, path, **kwargs):
+        marks[path.name] = [list(line.get_xdata()) for line in figure.axes[0].get_lines()
+                            if line.get_label() == "restart"]
+        return real_savefig(figure, path, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    plot_work_dirs([str(work)])
+    assert marks == {name: [[3, 3]] for name in ("loss.png", "learning_rate.png", "speed.png")}
+    assert "restart 1: rank 1 on b was ended by signal 9 after step 3; relaunching 2 " \
+        "processes on a, b, from checkpoint step 2" in (work / "training.log").read_text()

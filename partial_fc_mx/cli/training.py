@@ -36,6 +36,25 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
                                   f"verifies): restore everything and continue{resumes}")
         command.add_argument("--load-from", metavar="DIR",
                              help=f"take the weights of a checkpoint, start at step 0{resumes}")
+    add_restart_command(commands)
+
+
+def add_restart_command(commands: argparse._SubParsersAction) -> None:
+    summary = ("between two launches of a failed training (run.sh, slurm.sbatch with "
+               "MAX_RESTARTS): record why it ended and print the work dir to resume from")
+    command = commands.add_parser("restart", help=summary, description=summary)
+    command.set_defaults(func=restart_command)
+    command.add_argument("config")
+    command.add_argument("overrides", nargs="*", metavar="key=value")
+    command.add_argument("--work-dir")
+    for ignored in ("--resume-from", "--load-from"):  # the training's own arguments
+        command.add_argument(ignored, help=argparse.SUPPRESS)
+    command.add_argument("--status", type=int, required=True, help="the launcher's exit status")
+    command.add_argument("--output", required=True, help="a file with the launcher's output")
+    command.add_argument("--hosts", nargs="*", default=[], help="the hosts it relaunches on")
+    command.add_argument("--processes", type=int, required=True)
+    command.add_argument("--dropped", nargs="*", default=[], help="hosts that did not answer")
+    command.add_argument("--attempt", type=int, required=True, help="1 for the first restart")
 
 
 def launched() -> bool:
@@ -75,6 +94,21 @@ def train_command(args: argparse.Namespace) -> int:
     except UserError as error:
         report(error)
         return 1
+
+
+def restart_command(args: argparse.Namespace) -> int:
+    """Prints the work dir to resume from (an empty line: start again), or says why not
+    to relaunch and returns 1."""
+    from ..run.restarts import restart
+
+    config, _ = config_of(args)
+    output = Path(args.output).read_text(errors="replace")
+    resume, refusal = restart(Path(config.output), args.status, output, args.hosts,
+                              args.processes, args.dropped, args.attempt)
+    if refusal:  # said in training.log and on stderr
+        return 1
+    print(resume or "")
+    return 0
 
 
 def config_of(args: argparse.Namespace) -> tuple:

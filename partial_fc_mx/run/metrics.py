@@ -12,10 +12,15 @@ replaces everything), and skips a line a killed process left half-written.
 from __future__ import annotations
 
 import json
+import logging
+import sys
+import time
 from pathlib import Path
 from typing import NamedTuple
 
 METRICS = "metrics.jsonl"
+LINE_FORMAT = "%(asctime)s %(message)s"
+"""training.log's lines: the time, then the human line of a record."""
 
 
 def step_line(record: dict) -> str:
@@ -39,7 +44,22 @@ def baseline_line(record: dict) -> str:
             f"eigenfaces (PCA) baseline {record['eigenfaces']:.4f} on the same pairs")
 
 
-HUMAN_LINES = {"step": step_line, "evaluation": evaluation_line, "baseline": baseline_line}
+def restart_line(record: dict) -> str:
+    after = f" after step {record['step']}" if record["step"] is not None else ""
+    dropped = f", without {', '.join(record['dropped'])}" if record["dropped"] else ""
+    resumed = (f"from checkpoint step {record['checkpoint']}"
+               if record["checkpoint"] is not None else "from the start: no checkpoint yet")
+    return (f"restart {record['attempt']}: {record['reason']}{after}; relaunching "
+            f"{record['processes']} processes on {', '.join(record['hosts'])}{dropped}, "
+            f"{resumed}")
+
+
+def refusal_line(record: dict) -> str:
+    return record["reason"]
+
+
+HUMAN_LINES = {"step": step_line, "evaluation": evaluation_line, "baseline": baseline_line,
+               "restart": restart_line, "restart refused": refusal_line}
 
 
 def human_line(record: dict) -> str:
@@ -56,19 +76,31 @@ class Evaluation(NamedTuple):
     """{FAR: TAR} where the set has enough impostor pairs."""
 
 
+def read_records(path: Path) -> list:
+    """Every whole record of a metrics.jsonl, and None for each line that is not one
+    (cut off by a crash, a full disk, a power loss)."""
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            records.append(None)
+    return records
+
+
 def read_metrics(work_dir: str | Path) -> dict:
     """{"step", "loss", "learning_rate", "speed", "images": [...] in step order,
     "verification": {set name: [Evaluation]}, "baseline": {set name: eigenfaces accuracy},
-    "unreadable_lines": how many lines were not whole records} of the latest run in
-    work_dir/metrics.jsonl, with the steps before its start from the runs it resumed."""
-    steps, evaluations, baselines, unreadable = {}, {}, {}, 0
-    for line in (Path(work_dir) / METRICS).read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:  # cut off by a crash, a full disk, a power loss
+    "restarts": [the restart records, all of them], "unreadable_lines": how many lines
+    were not whole records} of the latest run in work_dir/metrics.jsonl, with the steps
+    before its start from the runs it resumed."""
+    steps, evaluations, baselines, restarts, unreadable = {}, {}, {}, [], 0
+    for record in read_records(Path(work_dir) / METRICS):
+        if record is None:
             unreadable += 1
-            continue
-        if record["kind"] == "start":
+        elif record["kind"] == "restart":
+            restarts.append(record)
+        elif record["kind"] == "start":
             start = record["step"]
             steps = {step: r for step, r in steps.items() if step <= start}
             evaluations = {name: {step: e for step, e in points.items() if step <= start}
@@ -88,6 +120,7 @@ def read_metrics(work_dir: str | Path) -> dict:
     series["verification"] = {name: [points[step] for step in sorted(points)]
                               for name, points in evaluations.items()}
     series["baseline"] = baselines
+    series["restarts"] = restarts
     series["unreadable_lines"] = unreadable
     return series
 
@@ -99,3 +132,32 @@ def last_logged_step(work_dir: str | Path) -> int:
         return max(read_metrics(work_dir)["step"], default=0)
     except (OSError, ValueError, KeyError, TypeError):  # none, or not ours: nothing to say
         return 0
+
+
+def open_metrics(path: Path):
+    """metrics.jsonl for appending, after a newline if a killed run left its last line
+    unfinished (a resume would otherwise glue its first record onto it)."""
+    if path.is_file() and path.stat().st_size:
+        with open(path, "rb") as existing:
+            existing.seek(-1, 2)
+            unfinished = existing.read(1) != b"\n"
+    else:
+        unfinished = False
+    metrics = open(path, "a")  # noqa: SIM115 (TrainingLog.close closes it)
+    if unfinished:
+        metrics.write("\n")
+    return metrics
+
+
+def append_record(work_dir: Path, record: dict) -> None:
+    """A record and its training.log line from outside a run (the restart supervisor,
+    between two launches), as a run's rank 0 writes them; the line also to stderr."""
+    record = {**record, "time": round(time.time(), 3)}
+    line = logging.Formatter(LINE_FORMAT).format(logging.makeLogRecord(
+        {"msg": human_line(record)}))
+    work_dir.mkdir(parents=True, exist_ok=True)
+    with open_metrics(work_dir / METRICS) as metrics:
+        metrics.write(json.dumps(record) + "\n")
+    with open(work_dir / "training.log", "a") as log:
+        log.write(line + "\n")
+    print(line, file=sys.stderr, flush=True)

@@ -15,7 +15,14 @@ from tqdm import tqdm
 
 from ..data.loader import WaitTimer
 from ..evaluation.verification import VerificationResult
-from .metrics import HUMAN_LINES, METRICS, human_line, last_logged_step
+from .metrics import (
+    HUMAN_LINES,
+    LINE_FORMAT,
+    METRICS,
+    human_line,
+    last_logged_step,
+    open_metrics,
+)
 
 
 class TrainingLog:
@@ -35,7 +42,7 @@ class TrainingLog:
             return
         logged_to = last_logged_step(work_dir) if first_step else 0
         self.metrics = open_metrics(work_dir / METRICS)
-        formatter = logging.Formatter("%(asctime)s %(message)s")
+        formatter = logging.Formatter(LINE_FORMAT)
         self.handlers = [logging.FileHandler(work_dir / "training.log"),
                          logging.StreamHandler(sys.stdout)]
         for handler in self.handlers:
@@ -129,17 +136,3 @@ class TrainingLog:
         if self.metrics is not None:
             self.metrics.close()
 
-
-def open_metrics(path: Path):
-    """metrics.jsonl for appending, after a newline if a killed run left its last line
-    unfinished (a resume would otherwise glue its first record onto it)."""
-    if path.is_file() and path.stat().st_size:
-        with open(path, "rb") as existing:
-            existing.seek(-1, 2)
-            unfinished = existing.read(1) != b"\n"
-    else:
-        unfinished = False
-    metrics = open(path, "a")  # noqa: SIM115 (TrainingLog.close closes it)
-    if unfinished:
-        metrics.write("\n")
-    return metrics

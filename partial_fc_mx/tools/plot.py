@@ -1,7 +1,8 @@
 """`python -m partial_fc_mx plot WORK_DIR [WORK_DIR ...]`: metrics.jsonl as pictures.
 
 Writes loss.png, learning_rate.png, speed.png and verification.png, from the records
-the trainer writes (no TensorBoard needed); several work dirs share each figure.
+the trainer writes (no TensorBoard needed); several work dirs share each figure; a
+dashed line marks each automatic restart.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def plot_work_dirs(work_dirs: list[str], out: str | None = None) -> list[Path]:
     written = []
 
     def save(figure, axes, name: str, ylabel: str) -> None:
+        mark_restarts(axes, runs)
         axes.set(xlabel="global step", ylabel=ylabel, title=f"{ylabel} ({title})")
         axes.grid(alpha=0.3)
         if len(axes.get_lines()) > 1:
@@ -47,6 +49,16 @@ def plot_work_dirs(work_dirs: list[str], out: str | None = None) -> list[Path]:
                           label=f"{name} {target}".strip())
         save(figure, axes, "verification", "verification accuracy")
     return written
+
+
+def mark_restarts(axes, runs: dict) -> None:
+    """A dashed line at the step after which each restart's job had failed (restarts.py):
+    the curve goes on from the checkpoint before it."""
+    steps = [r["step"] for series in runs.values() for r in series["restarts"]
+             if r["step"] is not None]
+    for i, step in enumerate(steps):
+        axes.axvline(step, color="tab:red", linestyle="--", linewidth=1,
+                     label="restart" if i == 0 else None)
 
 
 def label(work_dir: str, runs: int) -> str:

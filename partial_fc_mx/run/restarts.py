@@ -1,0 +1,119 @@
+"""After a training job ended abnormally: why, after which step, and whether to launch
+it again.
+
+run.sh and setup-utils/slurm.sbatch relaunch a failed job (MAX_RESTARTS, in
+setup-utils/restarts.sh) on the hosts that still answer. Between two launches they run
+`python -m partial_fc_mx restart`, which reads what the job left behind (the
+heartbeats' verdict, the launcher's output, the ranks' last steps, the checkpoints),
+writes the restart into training.log and metrics.jsonl, and answers with the work dir
+to resume from, or refuses: a second failure after the same step for the same reason
+is the job itself (a bad record, a bug), not a lost host, and relaunching it would loop.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import checkpoint, heartbeat
+from .metrics import METRICS, append_record, read_records
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a launch ended: `kind` and `who` say whether two failures are the same."""
+
+    kind: str
+    """"stall", "lost host", "signal", "watchdog", "error" or "exit"."""
+    who: str
+    """The rank, the host or the error message it concerns."""
+    reason: str
+    """The sentence for the log."""
+    step: int | None
+    """The last step every rank had finished (None: no step was reached)."""
+
+    def same_as(self, record: dict) -> bool:
+        """Whether a restart record of metrics.jsonl tells of this very failure."""
+        return (record.get("failure"), record.get("who"), record.get("step")) == (
+            self.kind, self.who, self.step)
+
+
+LOST_HOST = re.compile(r"ORTE has lost communication with a remote daemon.*?"
+                       r"Remote daemon:.*? on node (\S+)", re.DOTALL)
+SIGNALLED = re.compile(r"process rank (\d+) with PID \d+ on node (\S+) exited on signal "
+                       r"(\d+) \(([^)]*)\)")
+SRUN_KILLED = re.compile(r"^srun: error: (\S+): tasks? ([\d,-]+): Killed$", re.MULTILINE)
+WATCHDOG = re.compile(r"^Timeout \(\d+:\d\d:\d\d\)!$", re.MULTILINE)
+ERROR = re.compile(r"^error: (.*)$", re.MULTILINE)
+STOPPED = re.compile(r"stopped by a signal at step (\d+)")
+"""train.py's line after the checkpoint a SIGTERM or Ctrl-C asked for."""
+
+
+def failure_of(work_dir: Path, status: int, output: str) -> Failure:
+    """The failure, from the most specific evidence to the least: the heartbeats'
+    verdict, a host the launcher lost, a rank ended by a signal, the watchdog, the
+    ranks' own error, the exit status."""
+    step = last_common_step(work_dir)
+    if stall := heartbeat.read_stall(work_dir):
+        who = re.match(r"(rank \d+)", stall["reason"])
+        return Failure("stall", who.group(1) if who else stall["reason"],
+                       f"the job stalled: {stall['reason']}", step)
+    if lost := LOST_HOST.search(output):
+        host = lost.group(1)
+        return Failure("lost host", host, f"the launcher lost its link to host {host}", step)
+    if signalled := SIGNALLED.search(output):
+        rank, host, number, name = signalled.groups()
+        return Failure("signal", f"rank {rank}",
+                       f"rank {rank} on {host} was ended by signal {number} ({name})", step)
+    if killed := SRUN_KILLED.search(output):
+        host, tasks = killed.groups()
+        return Failure("signal", f"task {tasks}", f"task {tasks} on {host} was killed", step)
+    if WATCHDOG.search(output):
+        return Failure("watchdog", "", "a rank made no progress for stall_timeout seconds "
+                       "(the watchdog printed every thread's stack above)", step)
+    if error := ERROR.search(output):
+        return Failure("error", error.group(1), f"error: {error.group(1)}", step)
+    return Failure("exit", str(status), f"the job exited with status {status}", step)
+
+
+def last_common_step(work_dir: Path) -> int | None:
+    """The last step every rank of the ended launch had finished, by its heartbeats."""
+    steps = [beat["step"] for beat in heartbeat.read_beats(work_dir).values()]
+    return min(steps) if steps else None
+
+
+def previous_restart(work_dir: Path) -> dict | None:
+    """The last restart record of the work dir's metrics.jsonl."""
+    path = Path(work_dir) / METRICS
+    records = read_records(path) if path.is_file() else []
+    restarts = [r for r in records if r is not None and r.get("kind") == "restart"]
+    return restarts[-1] if restarts else None
+
+
+def restart(work_dir: Path, status: int, output: str, hosts: list[str], processes: int,
+            dropped: list[str], attempt: int) -> tuple[str | None, str | None]:
+    """(what to resume from: the work dir when it holds a checkpoint, else None; why not
+    to relaunch, or None), the decision written to training.log and metrics.jsonl. A
+    job stopped on purpose (it saved and said so) is not relaunched, whatever the
+    launcher's exit status."""
+    failure = failure_of(work_dir, status, output)
+    previous = previous_restart(work_dir)
+    refusal = None
+    if stopped := STOPPED.search(output):
+        refusal = (f"not restarting: the job was stopped on purpose (a signal) and saved "
+                   f"at step {stopped.group(1)}")
+    elif previous is not None and failure.same_as(previous):
+        refusal = (f"not restarting: the job failed again after step {failure.step} for "
+                   f"the same reason ({failure.reason}); fix the cause, then resume with "
+                   f"--resume-from {work_dir}")
+    if refusal:
+        append_record(work_dir, {"kind": "restart refused", "step": failure.step,
+                                 "reason": refusal})
+        return None, refusal
+    saved = checkpoint.checkpoints(work_dir)
+    append_record(work_dir, {
+        "kind": "restart", "attempt": attempt, "step": failure.step, "failure": failure.kind,
+        "who": failure.who, "reason": failure.reason, "hosts": hosts, "processes": processes,
+        "dropped": dropped, "checkpoint": checkpoint.step_of(saved[-1]) if saved else None})
+    return (str(work_dir) if saved else None), None

@@ -1,0 +1,235 @@
+"""Restart on failure (setup-utils/restarts.sh, run/restarts.py) and the heartbeats that
+name a frozen rank (run/heartbeat.py): the decisions on recorded evidence, then real
+jobs under run.sh and a Slurm script with stub commands. The jobs that lose a host,
+a rank or a link are in test_multihost.py."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import time
+from pathlib import Path
+
+from conftest import (
+    REPO,
+    config_file,
+    damage_header,
+    finish,
+    kill_group,
+    logged,
+    rank_pids,
+    run,
+    slurm_job,
+    start,
+)
+
+from partial_fc_mx import dist
+from partial_fc_mx.run import heartbeat, restarts
+from partial_fc_mx.run.heartbeat import Heartbeat, write_json
+from partial_fc_mx.run.metrics import read_metrics
+
+KILLED = ("mpirun noticed that process rank 1 with PID 0 on node hostb exited on signal 9 "
+          "(Killed).")
+LOST = """ORTE has lost communication with a remote daemon.
+
+  HNP daemon   : [[47530,0],0] on node hosta
+  Remote daemon: [[47530,0],2] on node hostc
+
+This is usually due to either a failure of the TCP network"""
+
+
+def watcher(tmp_path: Path, timeout: float = 20.0) -> Heartbeat:
+    """Rank 0 of 3, set up as __enter__ would, without its thread or a collective."""
+    beat = Heartbeat(tmp_path, dist.World(rank=0, size=3, local_rank=0, local_size=1),
+                     "hosta", timeout, first_step=7)
+    beat.folder.mkdir(parents=True, exist_ok=True)
+    beat.launch = "this"
+    beat.seen = {1: (None, 0.0), 2: (None, 0.0)}
+    return beat
+
+
+def peer(tmp_path: Path, rank: int, beat: int, step: int = 7, launch: str = "this",
+         done: bool = False) -> None:
+    heartbeat.beats_dir(tmp_path).mkdir(parents=True, exist_ok=True)
+    write_json(heartbeat.beats_dir(tmp_path) / f"rank_{rank}.json",
+               {"rank": rank, "host": f"host{rank}", "pid": 100 + rank, "step": step,
+                "beat": beat, "launch": launch, "done": done})
+
+
+def test_a_peer_that_stops_beating_is_named_once_this_rank_has_waited(tmp_path):
+    beat = watcher(tmp_path)
+    beat.moved = 0.0
+    peer(tmp_path, 1, beat=1)
+    peer(tmp_path, 2, beat=1)
+    assert beat.stalled_peers(now=10.0) is None  # first sight of both
+    peer(tmp_path, 1, beat=2)
+    assert beat.stalled_peers(now=25.0) is None  # rank 2 silent for 15 s only
+    peer(tmp_path, 1, beat=3)
+    reason = beat.stalled_peers(now=31.0)
+    assert reason == ("rank 2 (host2, pid 102) stopped beating after step 7: no heartbeat "
+                      "for 21 s while rank 0 (hosta) waited for it (heartbeat_timeout=20)")
+
+
+def test_nothing_is_read_or_named_while_this_ranks_steps_move(tmp_path):
+    beat = watcher(tmp_path)
+    peer(tmp_path, 1, beat=1)
+    peer(tmp_path, 2, beat=1)
+    beat.moved = 95.0  # a step 5 s ago: every peer took part in it
+    assert beat.stalled_peers(now=100.0) is None
+    assert beat.seen == {1: (None, 100.0), 2: (None, 100.0)}
+
+
+def test_a_finished_peer_and_an_earlier_launchs_file_are_not_a_frozen_rank(tmp_path):
+    beat = watcher(tmp_path)
+    beat.moved = 0.0
+    peer(tmp_path, 1, beat=5, done=True)  # rank 1 left: rank 0's last evaluation goes on
+    peer(tmp_path, 2, beat=9, launch="earlier")  # never beat in this launch
+    assert beat.stalled_peers(now=10.0) is None
+    assert beat.stalled_peers(now=21.0) == ("rank 2 never beat: no heartbeat for 21 s while "
+                                            "rank 0 (hosta) waited for it "
+                                            "(heartbeat_timeout=20)")
+
+
+def test_the_last_common_step_is_the_latest_launchs(tmp_path):
+    peer(tmp_path, 0, beat=1, step=12)
+    peer(tmp_path, 1, beat=1, step=11)
+    peer(tmp_path, 2, beat=1, step=3, launch="earlier")  # left behind a cut link
+    assert restarts.last_common_step(tmp_path) == 11
+
+
+def test_the_failure_is_told_from_the_most_specific_evidence(tmp_path):
+    peer(tmp_path, 0, beat=1, step=12)
+    assert restarts.failure_of(tmp_path, 1, f"error: horovod shut down\n{LOST}") == \
+        restarts.Failure("lost host", "hostc", "the launcher lost its link to host hostc", 12)
+    assert restarts.failure_of(tmp_path, 137, f"error: horovod shut down\n{KILLED}") == \
+        restarts.Failure("signal", "rank 1", "rank 1 on hostb was ended by signal 9 (Killed)",
+                         12)
+    assert restarts.failure_of(tmp_path, 1, "Timeout (0:30:00)!\nThread 0x1").kind == "watchdog"
+    assert restarts.failure_of(tmp_path, 1, "x\nerror: record 3 is damaged\n").who == \
+        "record 3 is damaged"
+    assert restarts.failure_of(tmp_path, 7, "").reason == "the job exited with status 7"
+    write_json(heartbeat.beats_dir(tmp_path) / heartbeat.STALL,
+               {"reason": "rank 2 (hostc, pid 9) stopped beating after step 12: ...",
+                "step": 12})
+    assert restarts.failure_of(tmp_path, 75, KILLED).kind == "stall"
+    assert restarts.failure_of(tmp_path, 75, KILLED).who == "rank 2"
+
+
+def test_the_same_failure_after_the_same_step_twice_is_refused(tmp_path):
+    peer(tmp_path, 0, beat=1, step=12)
+    resume, refusal = restarts.restart(tmp_path, 137, KILLED, ["a", "b"], 2, ["c"], 1)
+    assert (resume, refusal) == (None, None)  # no checkpoint yet: start again
+    (tmp_path / "checkpoints" / "step_000010").mkdir(parents=True)
+    resume, refusal = restarts.restart(tmp_path, 1, "error: other\n", ["a", "b"], 2, [], 2)
+    assert (resume, refusal) == (str(tmp_path), None)
+    resume, refusal = restarts.restart(tmp_path, 1, "error: other\n", ["a", "b"], 2, [], 3)
+    assert resume is None and refusal.startswith(
+        "not restarting: the job failed again after step 12 for the same reason (error: "
+        "other)")
+    text = (tmp_path / "training.log").read_text()
+    assert "restart 1: rank 1 on hostb was ended by signal 9 (Killed) after step 12; " \
+        "relaunching 2 processes on a, b, without c, from the start: no checkpoint yet" in text
+    assert "restart 2: error: other after step 12; relaunching 2 processes on a, b, from " \
+        "checkpoint step 10" in text
+    assert text.splitlines()[-1].endswith(refusal)
+    assert [(r["attempt"], r["failure"]) for r in read_metrics(tmp_path)["restarts"]] == [
+        (1, "signal"), (2, "error")]
+
+
+def test_a_job_stopped_on_purpose_is_not_relaunched_whatever_its_status(tmp_path):
+    resume, refusal = restarts.restart(
+        tmp_path, 1, "12:00 stopped by a signal at step 6; resume with ...", ["a"], 2, [], 1)
+    assert resume is None and refusal == ("not restarting: the job was stopped on purpose "
+                                          "(a signal) and saved at step 6")
+
+
+RESTARTING = {"MAX_RESTARTS": "2", "RESTART_BACKOFF": "0", "NP": "2"}
+
+
+def run_sh(config: Path, work: Path, env: dict | None = None):
+    """`bash run.sh` on 2 local processes, restarting up to twice, as users launch it."""
+    return start(["bash", str(REPO / "run.sh"), "--work-dir", str(work)],
+                 env={**RESTARTING, "CONFIG": str(config), **(env or {})})
+
+
+def wait_for_step(job, work: Path, step: int, timeout: float = 240) -> None:
+    """Until metrics.jsonl has a record of `step`; fails if the job ends first."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert job.poll() is None, "the job ended early"
+        try:
+            if max(logged(work)["losses"], default=0) >= step:
+                return
+        except (OSError, ValueError):  # not yet written, or a line half-written
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"step {step} not reached within {timeout} s")
+
+
+def test_the_same_failure_after_the_same_step_twice_stops_with_its_reason(tmp_path, synthetic):
+    """A damaged record fails the job at the same step on every launch: one restart
+    (it might have been a host), then the supervisor stops and says why."""
+    data = tmp_path / "data"
+    shutil.copytree(synthetic, data)
+    damage_header(data, 300)
+    config = config_file(tmp_path, data, num_epoch=1, save_every=2, val_targets=[])
+    work = tmp_path / "work"
+    result = finish(run_sh(config, work), timeout=400)
+    assert result.returncode == 1, result.stdout[-3000:]
+    text = (work / "training.log").read_text()
+    damaged = f"{data / 'train.rec'}: record 300 has a damaged header"
+    restarted = re.findall(r"restart 1: error: (.*) after step (\d+); relaunching 2 processes "
+                           r"on localhost, from (.*)", text)
+    assert len(restarted) == 1 and damaged in restarted[0][0], text[-3000:]
+    step = restarted[0][1]
+    assert re.search(rf"not restarting: the job failed again after step {step} for the same "
+                     rf"reason \(error: .*{re.escape(damaged)}", text), text[-3000:]
+    assert "restart 2" not in text
+
+
+def test_a_job_stopped_with_sigterm_is_not_restarted(tmp_path, synthetic):
+    """A scheduler's SIGTERM to a rank: every rank saves and stops; the supervisor
+    leaves it stopped, though restarts are allowed."""
+    config = config_file(tmp_path, synthetic, num_epoch=1000, val_targets=[])
+    work = tmp_path / "work"
+    job = run_sh(config, work)
+    try:
+        wait_for_step(job, work, 3)
+        os.kill(rank_pids(f"partial_fc_mx train {config}")[-1], signal.SIGTERM)
+        result = finish(job, timeout=120)
+    finally:
+        kill_group(job)
+    assert result.returncode != 0, result.stdout[-3000:]
+    assert "not restarting" in result.stdout, result.stdout[-3000:]
+    assert "stopped by a signal at step" in (work / "training.log").read_text()
+    assert "restart 1" not in (work / "training.log").read_text()
+    assert not read_metrics(work)["restarts"]
+
+
+def test_the_slurm_script_relaunches_on_the_nodes_that_answer(tmp_path, synthetic):
+    """sbatch with MAX_RESTARTS=1 on 2 nodes x 8 tasks: a task killed on node B, whose
+    probe then fails; the job is relaunched on node A's 8 tasks after its preflight."""
+    config = config_file(tmp_path, synthetic, val_targets=[])
+    work = tmp_path / "work"
+    env = {**slurm_job(tmp_path), "PFC_REPO": str(REPO), "CONFIG": str(config),
+           "MAX_RESTARTS": "1", "RESTART_BACKOFF": "0", "SRUN_DEAD": "nodeb",
+           "SRUN_FAILURES": "1"}
+    done = run(["bash", str(REPO / "setup-utils" / "slurm.sbatch"), "--work-dir", str(work)],
+               env=env, timeout=120)
+    assert done.returncode == 0, done.stdout
+    calls = [line.replace(f"CONFIG={config} ", "")
+             for line in (tmp_path / "srun.log").read_text().splitlines()]
+    launch = "srun --mpi=pmix --kill-on-bad-exit=1"
+    config_sh = f"bash {REPO}/config.sh --work-dir {work}"
+    assert calls == [
+        f"{launch} -N 2 -n 16 -w nodea,nodeb {config_sh} PFC_COMMAND=check",
+        f"{launch} -N 2 -n 16 -w nodea,nodeb {config_sh} PFC_COMMAND=",
+        "srun -N 1 -n 1 -w nodea true PFC_COMMAND=",
+        "srun -N 1 -n 1 -w nodeb true PFC_COMMAND=",
+        f"{launch} -N 1 -n 8 -w nodea {config_sh} PFC_COMMAND=check",
+        f"{launch} -N 1 -n 8 -w nodea {config_sh} PFC_COMMAND="]
+    assert "host nodeb did not answer within 30 s: dropped" in done.stdout
+    assert "restart 1: task 9 on nodeb was killed; relaunching 8 processes on nodea, " \
+        "without nodeb, from the start: no checkpoint yet" in (work / "training.log").read_text()
