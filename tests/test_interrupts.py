@@ -3,10 +3,12 @@ what follows each step (evaluate, save, stop)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -73,12 +75,13 @@ def test_a_failing_run_gives_back_its_log_signal_handlers_and_watchdog(tmp_path,
     import logging
     import types
 
-    from partial_fc_mx import train
+    from partial_fc_mx import dist, train
     from partial_fc_mx.run.background_export import BackgroundExport
     from partial_fc_mx.run.training_log import TrainingLog
 
     log = TrainingLog(tmp_path, enabled=True, total_steps=1, global_batch=8, frequent=1)
-    run = types.SimpleNamespace(log=log, state=TrainState(),
+    run = types.SimpleNamespace(log=log, state=TrainState(), work_dir=tmp_path,
+                                world=dist.World(rank=0, size=1, local_rank=0, local_size=1),
                                 exports=BackgroundExport(tmp_path, True, log.info))
 
     def fails(run):
@@ -91,4 +94,6 @@ def test_a_failing_run_gives_back_its_log_signal_handlers_and_watchdog(tmp_path,
         train.train(config(stall_timeout=1))
     assert not logging.getLogger("partial_fc_mx.train").handlers
     assert log.metrics.closed and signal.getsignal(signal.SIGTERM) is before
+    assert "heartbeat" not in [thread.name for thread in threading.enumerate()]
+    assert json.loads((tmp_path / "heartbeats" / "rank_0.json").read_text())["done"]
     time.sleep(1.5)  # an armed watchdog would have ended this process by now

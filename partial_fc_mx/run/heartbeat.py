@@ -95,8 +95,9 @@ class Heartbeat:
         if self.world.is_main:  # the previous launch's beats and verdict say nothing now
             for path in self.folder.iterdir():
                 path.unlink(missing_ok=True)
-        self.launch = dist.allgather_object(uuid.uuid4().hex if self.world.is_main else None,
-                                            name="heartbeat.launch")[0]
+        mine = uuid.uuid4().hex if self.world.is_main else None
+        self.launch = (dist.allgather_object(mine, name="heartbeat.launch")[0]
+                       if self.world.size > 1 else mine)
         self._write()
         now = time.monotonic()
         self.seen = {peer: (None, now) for peer in range(self.world.size)
