@@ -110,6 +110,14 @@ def test_the_failure_is_told_from_the_most_specific_evidence(tmp_path):
     assert restarts.failure_of(tmp_path, 1, "x\nerror: record 3 is damaged\n").who == \
         "record 3 is damaged"
     assert restarts.failure_of(tmp_path, 7, "").reason == "the job exited with status 7"
+    inspector = ("[2026-11-26 05:04:40.1] One or more tensors were submitted to be reduced, "
+                 "gathered or broadcasted by subset of ranks and are waiting for remainder of "
+                 "ranks for more than 60 seconds. This may indicate ... deadlock. \n"
+                 "Missing ranks:\n1: [allreduce.pfc.max, allreduce.pfc.sum]\n")
+    assert restarts.failure_of(tmp_path, 1, f"{inspector}Timeout (0:30:00)!\n").reason == (
+        "a rank made no progress for stall_timeout seconds (the watchdog printed every "
+        "thread's stack above) (Horovod's stall inspector: rank 1 had not submitted "
+        "allreduce.pfc.max, allreduce.pfc.sum)")
     write_json(heartbeat.beats_dir(tmp_path) / heartbeat.STALL,
                {"reason": "rank 2 (hostc, pid 9) stopped beating after step 12: ...",
                 "step": 12})

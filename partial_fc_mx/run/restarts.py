@@ -13,7 +13,7 @@ is the job itself (a bad record, a bug), not a lost host, and relaunching it wou
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from . import checkpoint, heartbeat
@@ -46,14 +46,28 @@ SIGNALLED = re.compile(r"process rank (\d+) with PID \d+ on node (\S+) exited on
 SRUN_KILLED = re.compile(r"^srun: error: (\S+): tasks? ([\d,-]+): Killed$", re.MULTILINE)
 WATCHDOG = re.compile(r"^Timeout \(\d+:\d\d:\d\d\)!$", re.MULTILINE)
 ERROR = re.compile(r"^error: (.*)$", re.MULTILINE)
+INSPECTOR = re.compile(r"Missing ranks:\s*\n\s*(\d+): \[([^\]\n]*)")
+"""Horovod's stall inspector (rank 0, after HOROVOD_STALL_CHECK_TIME_SECONDS): the first
+rank that had not submitted a collective the others wait in, and the collectives' names.
+It fires when that rank is alive but late; a frozen rank blocks it (heartbeat.py)."""
 STOPPED = re.compile(r"stopped by a signal at step (\d+)")
 """train.py's line after the checkpoint a SIGTERM or Ctrl-C asked for."""
 
 
 def failure_of(work_dir: Path, status: int, output: str) -> Failure:
-    """The failure, from the most specific evidence to the least: the heartbeats'
-    verdict, a host the launcher lost, a rank ended by a signal, the watchdog, the
-    ranks' own error, the exit status."""
+    """The failure, from the most specific evidence to the least, with what Horovod's
+    stall inspector said, if it spoke."""
+    failure = evidence(work_dir, status, output)
+    if inspector := INSPECTOR.search(output):
+        rank, names = inspector.groups()
+        return replace(failure, reason=f"{failure.reason} (Horovod's stall inspector: rank "
+                                       f"{rank} had not submitted {names})")
+    return failure
+
+
+def evidence(work_dir: Path, status: int, output: str) -> Failure:
+    """The heartbeats' verdict, a host the launcher lost, a rank ended by a signal, the
+    watchdog, the ranks' own error, the exit status: the first found."""
     step = last_common_step(work_dir)
     if stall := heartbeat.read_stall(work_dir):
         who = re.match(r"(rank \d+)", stall["reason"])
