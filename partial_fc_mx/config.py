@@ -167,7 +167,8 @@ class Config:
     heartbeat_timeout: int = 120
     """Seconds a rank waits for its next step, while another rank's heartbeat has
     stopped (a frozen process or host), before it names that rank and ends the job
-    (run/heartbeat.py); 0: no heartbeats (the watchdog above remains)."""
+    (run/heartbeat.py); 0: no heartbeats (the watchdog above remains). At least 10;
+    keep 60 or more on NFS."""
     report_baseline: bool = False
     """At the end, also score an eigenfaces (PCA) baseline on the val_targets."""
 
@@ -186,6 +187,9 @@ class Config:
                      if not getattr(self, key) >= 0]
         if self.keep_checkpoints < 1:
             problems.append("keep_checkpoints must be >= 1")
+        if 0 < self.heartbeat_timeout < 10:
+            problems.append(f"heartbeat_timeout={self.heartbeat_timeout} must be 0 (off) or at "
+                            "least 10 seconds (60 or more on NFS, whose caches lag)")
         if not self.lr < FLOAT32_MAX:
             problems.append(f"lr={self.lr} is beyond float32 (the optimizers' precision)")
         if not 0.0 < self.sample_rate <= 1.0:

@@ -12,11 +12,18 @@
 #      relaunches with --resume-from on their slots (at most the first launch's NP):
 #      the trainer re-shards the centers to the new number of processes and keeps the
 #      schedule (it counts images).
-# A job that finished (0) or was stopped on purpose (SIGTERM or Ctrl-C: it saved a
-# checkpoint and exited 143 or 130, or this shell was signalled) is never relaunched.
+# A job that finished (0) or was stopped on purpose (SIGTERM or Ctrl-C: every rank
+# saved and said so, which `restart` reads; or this shell was signalled, after the job
+# ended: signal the ranks or the launcher, not this shell alone) is never relaunched.
 MAX_RESTARTS=${MAX_RESTARTS:-0}
 RESTART_BACKOFF=${RESTART_BACKOFF:-30}
 PROBE_TIMEOUT=${PROBE_TIMEOUT:-30}
+for name in MAX_RESTARTS RESTART_BACKOFF PROBE_TIMEOUT; do
+  if ! [[ ${!name} =~ ^[0-9]+$ ]]; then
+    echo "$name=${!name} must be a whole number (of restarts, seconds)" >&2
+    exit 2
+  fi
+done
 
 train_with_restarts() {
   local attempt=0 status np_wanted=$NP output resume=() stopping=0 alive dropped answer
@@ -25,9 +32,10 @@ train_with_restarts() {
   trap 'stopping=1' TERM INT
   while :; do
     status=0
-    launch_training "$@" "${resume[@]}" 2>&1 | tee -i "$output" || status=$?
+    # the launcher's status, not tee's (a full disk must not fail a finished job)
+    launch_training "$@" "${resume[@]}" 2>&1 | tee -i "$output" || status=${PIPESTATUS[0]}
     if [ "$status" -eq 0 ]; then rm -f "$output"; return 0; fi
-    if [ "$stopping" = 1 ] || [ "$status" -eq 130 ] || [ "$status" -eq 143 ]; then
+    if [ "$stopping" = 1 ]; then
       echo "stopped on purpose (status $status): not restarting" >&2
       rm -f "$output"; return "$status"
     fi

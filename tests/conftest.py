@@ -219,6 +219,7 @@ failed=$(cat "$SRUN_LOG.failed" 2>/dev/null || echo 0)
 if [ -z "$PFC_COMMAND" ] && [ "$failed" -lt "${SRUN_FAILURES:-0}" ]; then
   echo $((failed + 1)) > "$SRUN_LOG.failed"
   echo "srun: error: $SRUN_DEAD: task 9: Killed"
+  echo "srun: error: nodea: tasks 0-7: Killed"
   exit 137
 fi
 exit 0

@@ -64,6 +64,7 @@ def test_unknown_keys_are_rejected_with_a_suggestion(tmp_path):
     ("margin='arcface'", r"margin='arcface' must be one of \['adaface', 'combined'\]"),
     ("margin_options={'m': 0.4}", "are for the other margins; the combined margin takes"),
     ("keep_checkpoints=0", "keep_checkpoints must be >= 1"),
+    ("heartbeat_timeout=5", r"heartbeat_timeout=5 must be 0 \(off\) or at least 10 seconds"),
 ])
 def test_invalid_values_are_rejected(tmp_path, override, message):
     path = write(tmp_path / "c.py", "num_classes = 10\n")

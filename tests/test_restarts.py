@@ -41,71 +41,107 @@ This is usually due to either a failure of the TCP network"""
 
 
 def watcher(tmp_path: Path, timeout: float = 20.0) -> Heartbeat:
-    """Rank 0 of 3, set up as __enter__ would, without its thread or a collective."""
+    """Rank 0 of 3, set up as __enter__ would, without its thread or a collective; its
+    steps stopped at time 0. It looks every 3 s (its interval is 3.3 s)."""
     beat = Heartbeat(tmp_path, dist.World(rank=0, size=3, local_rank=0, local_size=1),
                      "hosta", timeout, first_step=7)
     beat.folder.mkdir(parents=True, exist_ok=True)
-    beat.launch = "this"
+    (beat.folder / heartbeat.LAUNCH).write_text("this")
+    beat.launch, beat.moved, beat.read = "this", 0.0, 0.0
     beat.seen = {1: (None, 0.0), 2: (None, 0.0)}
     return beat
 
 
 def peer(tmp_path: Path, rank: int, beat: int, step: int = 7, launch: str = "this",
          done: bool = False) -> None:
-    heartbeat.beats_dir(tmp_path).mkdir(parents=True, exist_ok=True)
-    write_json(heartbeat.beats_dir(tmp_path) / f"rank_{rank}.json",
+    folder = heartbeat.beats_dir(tmp_path)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_json(heartbeat.beat_file(folder, launch, rank),
                {"rank": rank, "host": f"host{rank}", "pid": 100 + rank, "step": step,
                 "beat": beat, "launch": launch, "done": done})
 
 
+def launched(tmp_path: Path, step: int, launch: str = "this") -> None:
+    """A launch's rank 0 beat after `step`, as the supervisor finds it."""
+    heartbeat.beats_dir(tmp_path).mkdir(parents=True, exist_ok=True)
+    (heartbeat.beats_dir(tmp_path) / heartbeat.LAUNCH).write_text(launch)
+    peer(tmp_path, 0, beat=1, step=step, launch=launch)
+
+
+def looks(beat: Heartbeat, until: float, every: float = 3.0, before=None) -> list:
+    """What the watcher says at each look from its next one to `until`; `before(now)`
+    runs before each look (a peer beating)."""
+    said, now = [], beat.read + every
+    while now <= until:
+        if before:
+            before(now)
+        said.append(beat.stalled_peers(now))
+        now += every
+    return said
+
+
 def test_a_peer_that_stops_beating_is_named_once_this_rank_has_waited(tmp_path):
     beat = watcher(tmp_path)
-    beat.moved = 0.0
-    peer(tmp_path, 1, beat=1)
     peer(tmp_path, 2, beat=1)
-    assert beat.stalled_peers(now=10.0) is None  # first sight of both
-    peer(tmp_path, 1, beat=2)
-    assert beat.stalled_peers(now=25.0) is None  # rank 2 silent for 15 s only
-    peer(tmp_path, 1, beat=3)
-    reason = beat.stalled_peers(now=31.0)
-    assert reason == ("rank 2 (host2, pid 102) stopped beating after step 7: no heartbeat "
-                      "for 21 s while rank 0 (hosta) waited for it (heartbeat_timeout=20)")
+    said = looks(beat, until=30.0, before=lambda now: peer(tmp_path, 1, beat=int(now)))
+    # moving until 6.6 s; rank 2 first seen at 9 s, unchanged for 20 s after: at 30 s
+    assert said[:-1] == [None] * 9
+    assert said[-1] == ("rank 2 (host2, pid 102) stopped beating after step 7: no heartbeat "
+                        "for 21 s while rank 0 (hosta) waited for it (heartbeat_timeout=20)")
 
 
 def test_nothing_is_read_or_named_while_this_ranks_steps_move(tmp_path):
     beat = watcher(tmp_path)
     peer(tmp_path, 1, beat=1)
     peer(tmp_path, 2, beat=1)
-    beat.moved = 95.0  # a step 5 s ago: every peer took part in it
+    beat.moved, beat.read = 95.0, 95.0  # a step 5 s ago: every peer took part in it
     assert beat.stalled_peers(now=100.0) is None
     assert beat.seen == {1: (None, 100.0), 2: (None, 100.0)}
 
 
+def test_a_gap_in_this_ranks_own_looks_times_every_peer_afresh(tmp_path):
+    """A file system that hung every rank's beats for minutes (an NFS failover): the
+    first rank back must not take a silent peer for a frozen one."""
+    beat = watcher(tmp_path)
+    peer(tmp_path, 1, beat=1)
+    peer(tmp_path, 2, beat=1)
+    assert looks(beat, until=12.0) == [None] * 4
+    beat.read = 12.0
+    assert beat.stalled_peers(now=150.0) is None  # its own looks stopped for 138 s
+    assert beat.seen == {1: (None, 150.0), 2: (None, 150.0)}
+
+
 def test_a_finished_peer_and_an_earlier_launchs_file_are_not_a_frozen_rank(tmp_path):
     beat = watcher(tmp_path)
-    beat.moved = 0.0
     peer(tmp_path, 1, beat=5, done=True)  # rank 1 left: rank 0's last evaluation goes on
-    peer(tmp_path, 2, beat=9, launch="earlier")  # never beat in this launch
-    assert beat.stalled_peers(now=10.0) is None
-    assert beat.stalled_peers(now=21.0) == ("rank 2 never beat: no heartbeat for 21 s while "
-                                            "rank 0 (hosta) waited for it "
-                                            "(heartbeat_timeout=20)")
+    peer(tmp_path, 2, beat=9, launch="earlier")  # an orphan; never beat in this launch
+    said = looks(beat, until=27.0)  # timed from the last look while moving, at 6 s
+    assert said[:-1] == [None] * 8
+    assert said[-1] == ("rank 2 never beat: no heartbeat for 21 s while rank 0 (hosta) "
+                        "waited for it (heartbeat_timeout=20)")
 
 
 def test_the_last_common_step_is_the_latest_launchs(tmp_path):
-    peer(tmp_path, 0, beat=1, step=12)
+    launched(tmp_path, 12)
     peer(tmp_path, 1, beat=1, step=11)
     peer(tmp_path, 2, beat=1, step=3, launch="earlier")  # left behind a cut link
     assert restarts.last_common_step(tmp_path) == 11
 
 
 def test_the_failure_is_told_from_the_most_specific_evidence(tmp_path):
-    peer(tmp_path, 0, beat=1, step=12)
+    launched(tmp_path, 12)
     assert restarts.failure_of(tmp_path, 1, f"error: horovod shut down\n{LOST}") == \
         restarts.Failure("lost host", "hostc", "the launcher lost its link to host hostc", 12)
     assert restarts.failure_of(tmp_path, 137, f"error: horovod shut down\n{KILLED}") == \
         restarts.Failure("signal", "rank 1", "rank 1 on hostb was ended by signal 9 (Killed)",
                          12)
+    assert restarts.failure_of(tmp_path, 1, LOST.replace("ORTE", "PRTE")).kind == "lost host"
+    srun = ("srun: error: nodeb: task 9: Exited with exit code 1\n"
+            "srun: error: nodea: tasks 0-7: Killed\nerror: record 3 is damaged\n")
+    assert restarts.failure_of(tmp_path, 1, srun).kind == "error"  # not the tasks srun ended
+    assert restarts.failure_of(tmp_path, 137, "srun: error: nodeb: task 9: Killed\n"
+                               "srun: error: nodea: tasks 0-7: Killed\n").reason == \
+        "task 9 on nodeb was killed"
     assert restarts.failure_of(tmp_path, 1, "Timeout (0:30:00)!\nThread 0x1").kind == "watchdog"
     assert restarts.failure_of(tmp_path, 1, "x\nerror: record 3 is damaged\n").who == \
         "record 3 is damaged"
@@ -118,20 +154,24 @@ def test_the_failure_is_told_from_the_most_specific_evidence(tmp_path):
         "a rank made no progress for stall_timeout seconds (the watchdog printed every "
         "thread's stack above) (Horovod's stall inspector: rank 1 had not submitted "
         "allreduce.pfc.max, allreduce.pfc.sum)")
-    write_json(heartbeat.beats_dir(tmp_path) / heartbeat.STALL,
-               {"reason": "rank 2 (hostc, pid 9) stopped beating after step 12: ...",
-                "step": 12})
+    stall = {"reason": "rank 2 (hostc, pid 9) stopped beating after step 12: ...", "step": 12}
+    write_json(heartbeat.beats_dir(tmp_path) / heartbeat.STALL, {**stall, "launch": "earlier"})
+    assert restarts.failure_of(tmp_path, 75, KILLED).kind == "signal"  # an earlier launch's
+    write_json(heartbeat.beats_dir(tmp_path) / heartbeat.STALL, {**stall, "launch": "this"})
     assert restarts.failure_of(tmp_path, 75, KILLED).kind == "stall"
     assert restarts.failure_of(tmp_path, 75, KILLED).who == "rank 2"
 
 
 def test_the_same_failure_after_the_same_step_twice_is_refused(tmp_path):
-    peer(tmp_path, 0, beat=1, step=12)
+    launched(tmp_path, 12)
     resume, refusal = restarts.restart(tmp_path, 137, KILLED, ["a", "b"], 2, ["c"], 1)
     assert (resume, refusal) == (None, None)  # no checkpoint yet: start again
+    assert not list(heartbeat.beats_dir(tmp_path).iterdir())  # read: the next launch's own
     (tmp_path / "checkpoints" / "step_000010").mkdir(parents=True)
+    launched(tmp_path, 12, "second")
     resume, refusal = restarts.restart(tmp_path, 1, "error: other\n", ["a", "b"], 2, [], 2)
     assert (resume, refusal) == (str(tmp_path), None)
+    launched(tmp_path, 12, "third")
     resume, refusal = restarts.restart(tmp_path, 1, "error: other\n", ["a", "b"], 2, [], 3)
     assert resume is None and refusal.startswith(
         "not restarting: the job failed again after step 12 for the same reason (error: "
@@ -144,6 +184,20 @@ def test_the_same_failure_after_the_same_step_twice_is_refused(tmp_path):
     assert text.splitlines()[-1].endswith(refusal)
     assert [(r["attempt"], r["failure"]) for r in read_metrics(tmp_path)["restarts"]] == [
         (1, "signal"), (2, "error")]
+
+
+def test_the_same_failure_is_refused_without_a_new_checkpoint_but_not_after_one(tmp_path):
+    """Steps are written down about once a second: with fast steps the same failure may
+    be seen a step or two apart; a checkpoint saved in between is progress."""
+    (tmp_path / "checkpoints" / "step_000010").mkdir(parents=True)
+    launched(tmp_path, 12)
+    assert restarts.restart(tmp_path, 137, KILLED, ["a"], 2, [], 1) == (str(tmp_path), None)
+    launched(tmp_path, 14, "second")
+    (tmp_path / "checkpoints" / "step_000013").mkdir()
+    assert restarts.restart(tmp_path, 137, KILLED, ["a"], 2, [], 2) == (str(tmp_path), None)
+    launched(tmp_path, 15, "third")  # the same rank killed again, no checkpoint since 13
+    resume, refusal = restarts.restart(tmp_path, 137, KILLED, ["a"], 2, [], 3)
+    assert resume is None and "failed again after step 15 for the same reason" in refusal
 
 
 def test_a_job_stopped_on_purpose_is_not_relaunched_whatever_its_status(tmp_path):
@@ -234,10 +288,17 @@ def test_the_slurm_script_relaunches_on_the_nodes_that_answer(tmp_path, syntheti
     assert calls == [
         f"{launch} -N 2 -n 16 -w nodea,nodeb {config_sh} PFC_COMMAND=check",
         f"{launch} -N 2 -n 16 -w nodea,nodeb {config_sh} PFC_COMMAND=",
-        "srun -N 1 -n 1 -w nodea true PFC_COMMAND=",
-        "srun -N 1 -n 1 -w nodeb true PFC_COMMAND=",
+        "srun --overlap -N 1 -n 1 -w nodea true PFC_COMMAND=",
+        "srun --overlap -N 1 -n 1 -w nodeb true PFC_COMMAND=",
         f"{launch} -N 1 -n 8 -w nodea {config_sh} PFC_COMMAND=check",
         f"{launch} -N 1 -n 8 -w nodea {config_sh} PFC_COMMAND="]
     assert "host nodeb did not answer within 30 s: dropped" in done.stdout
     assert "restart 1: task 9 on nodeb was killed; relaunching 8 processes on nodea, " \
         "without nodeb, from the start: no checkpoint yet" in (work / "training.log").read_text()
+
+
+def test_a_max_restarts_that_is_no_number_is_refused_before_anything_runs():
+    said = run(["bash", "-c", f"source {REPO}/setup-utils/restarts.sh; echo sourced"],
+               env={**os.environ, "MAX_RESTARTS": "yes"})
+    assert said.returncode == 2 and "sourced" not in said.stdout
+    assert "MAX_RESTARTS=yes must be a whole number" in said.stdout

@@ -25,6 +25,7 @@ BENCHMARKS = {
     "saving": "what a save costs the run: checkpoint, ONNX export inline or in the background",
     "ijb": "IJB-C-sized metadata: time and peak memory",
     "index": "record index open: seconds and private memory per rank",
+    "soak": "a long training run: step time and memory of its last steps against its first",
 }
 """Command -> summary; the command is also the module's name in this package, whose
 add_arguments(parser) defines its options and run(args) runs it."""

@@ -1,12 +1,12 @@
 """Heartbeats: when a job stops progressing, which rank stopped it, on which host,
 after which step.
 
-A rank that freezes (SIGSTOP, a hung driver, a host swapping to death) leaves every
+A rank that freezes (SIGSTOP, a host swapping to death or hung as a whole) leaves every
 other rank waiting in the next collective without knowing for whom. Horovod's stall
 inspector runs on rank 0 only and needs the very coordination the frozen rank blocks,
 and the watchdog (`stall_timeout`) fires only after half an hour and names nobody. So
 every rank runs a thread that, every few seconds, rewrites a small file in the shared
-work dir (heartbeats/rank_<r>.json: its host, its pid, the last step it finished, a
+work dir (heartbeats/<launch>.rank_<r>.json: its host, its pid, the last step it finished, a
 beat counter) and, once its own steps have stopped moving, reads the others'. A rank
 whose own step has not moved for `heartbeat_timeout` seconds while some peer's beat
 counter has not changed for as long writes heartbeats/stall.json, which names that
@@ -34,6 +34,9 @@ from .. import dist
 
 HEARTBEATS = "heartbeats"
 STALL = "stall.json"
+LAUNCH = "launch"
+"""The file naming the current launch: a process left from an earlier one (behind a
+cut link) may still beat, under its own launch's names."""
 WRITE_SPACING = 1.0
 """Seconds between two writes of a rank's beat: fast steps are written down once a
 second, a file system is not asked for more."""
@@ -45,11 +48,15 @@ def beats_dir(work_dir: str | os.PathLike) -> Path:
     return Path(work_dir) / HEARTBEATS
 
 
-def write_json(path: Path, record: dict) -> None:
+def write_text(path: Path, text: str) -> None:
     """Whole or not at all: a reader on another host never sees half a record."""
     partial = path.with_name(f".{path.name}.{os.getpid()}")
-    partial.write_text(json.dumps(record))
+    partial.write_text(text)
     os.replace(partial, path)
+
+
+def write_json(path: Path, record: dict) -> None:
+    write_text(path, json.dumps(record))
 
 
 def read_json(path: Path) -> dict | None:
@@ -59,18 +66,40 @@ def read_json(path: Path) -> dict | None:
         return None
 
 
+def beat_file(folder: Path, launch: str, rank: int) -> Path:
+    return folder / f"{launch}.rank_{rank}.json"
+
+
+def current_launch(work_dir: str | os.PathLike) -> str | None:
+    try:
+        return (beats_dir(work_dir) / LAUNCH).read_text().strip() or None
+    except OSError:
+        return None
+
+
 def read_beats(work_dir: str | os.PathLike) -> dict[int, dict]:
-    """{rank: its last beat} of the latest launch in the work dir: rank 0's (a process
-    of an earlier launch, left behind a cut link, may still beat beside them)."""
-    beats = [beat for path in beats_dir(work_dir).glob("rank_*.json")
-             if (beat := read_json(path)) is not None]
-    latest = next((beat["launch"] for beat in beats if beat["rank"] == 0), None)
-    return {beat["rank"]: beat for beat in beats if beat["launch"] == latest}
+    """{rank: its last beat} of the latest launch in the work dir."""
+    launch = current_launch(work_dir)
+    if launch is None:
+        return {}
+    beats = [read_json(path) for path in beats_dir(work_dir).glob(f"{launch}.rank_*.json")]
+    return {beat["rank"]: beat for beat in beats if beat is not None}
 
 
 def read_stall(work_dir: str | os.PathLike) -> dict | None:
     """What the latest launch's stall detection found: {"reason", "step"}, or None."""
-    return read_json(beats_dir(work_dir) / STALL)
+    stall = read_json(beats_dir(work_dir) / STALL)
+    return stall if stall and stall.get("launch") == current_launch(work_dir) else None
+
+
+def clear(work_dir: str | os.PathLike) -> None:
+    """Forget a launch's beats and verdict (the supervisor, once it has read them; rank
+    0 at the start of a launch)."""
+    for path in beats_dir(work_dir).glob("*"):
+        try:
+            path.unlink()
+        except OSError:  # a file another host still holds open (NFS's .nfsXXXX)
+            pass
 
 
 class Heartbeat:
@@ -83,6 +112,8 @@ class Heartbeat:
         self.interval = min(5.0, timeout / 6)
         self.step, self.moved = first_step, time.monotonic()
         self.beat, self.done = 0, False
+        self.read = 0.0
+        """When this rank last looked at its peers' beats."""
         self.seen: dict[int, tuple] = {}
         """{peer: (its last beat counter, when this rank saw it change)}"""
         self._stop, self._stepped = threading.Event(), threading.Event()
@@ -92,10 +123,14 @@ class Heartbeat:
         if not self.timeout:
             return self
         self.folder.mkdir(parents=True, exist_ok=True)
+        mine = None
         if self.world.is_main:  # the previous launch's beats and verdict say nothing now
-            for path in self.folder.iterdir():
-                path.unlink(missing_ok=True)
-        mine = uuid.uuid4().hex if self.world.is_main else None
+            clear(self.folder.parent)
+            mine = uuid.uuid4().hex
+            try:
+                write_text(self.folder / LAUNCH, mine)
+            except OSError:
+                pass
         self.launch = (dist.allgather_object(mine, name="heartbeat.launch")[0]
                        if self.world.size > 1 else mine)
         self._write()
@@ -105,14 +140,17 @@ class Heartbeat:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, error_type, *exc) -> None:
+        """A rank that finished says so in a last beat; one that failed only stops
+        beating (if it hangs on its way out, its peers name it)."""
         if not self.timeout:
             return
         self._stop.set()
         self._stepped.set()
         self._thread.join()
-        self.done = True
-        self._write()
+        if error_type is None:
+            self.done = True
+            self._write()
 
     def finished(self, step: int) -> None:
         """Called after every step: the thread writes it down (at most once a second),
@@ -123,7 +161,7 @@ class Heartbeat:
     def _write(self) -> None:
         self.beat += 1
         try:
-            write_json(self.folder / f"rank_{self.world.rank}.json", {
+            write_json(beat_file(self.folder, self.launch, self.world.rank), {
                 "rank": self.world.rank, "host": self.host, "pid": os.getpid(),
                 "step": self.step, "beat": self.beat, "launch": self.launch,
                 "done": self.done})
@@ -147,14 +185,16 @@ class Heartbeat:
         """Why the job stopped, when this rank has waited `timeout` for its next step
         and a peer has not beaten for as long; None while all is well. A rank whose
         steps move reads nothing: every peer took part in them."""
-        if now - self.moved < 2 * self.interval:
+        if now - self.moved < 2 * self.interval or now - self.read > 2 * self.interval:
+            # moving: every peer took part; or this rank itself could not look (a file
+            # system that hung every rank's writes): a peer is timed from now on
             self.seen = {peer: (None, now) for peer in self.seen}
+            self.read = now
             return None
+        self.read = now
         frozen = []
         for peer, (last, since) in self.seen.items():
-            beat = read_json(self.folder / f"rank_{peer}.json")
-            if beat is not None and beat.get("launch") != self.launch:
-                beat = None  # the previous launch's, or not yet this one's
+            beat = read_json(beat_file(self.folder, self.launch, peer))
             if beat is not None and beat["done"]:
                 continue
             if beat is not None and beat["beat"] != last:
@@ -175,7 +215,8 @@ class Heartbeat:
         """Leave the verdict for the supervisor and end this process: its launcher ends
         the job (a frozen rank cannot leave by itself)."""
         try:
-            write_json(self.folder / STALL, {"reason": reason, "step": self.step})
+            write_json(self.folder / STALL, {"reason": reason, "step": self.step,
+                                             "launch": self.launch})
         except OSError:
             pass
         sys.stderr.write(f"error: the job stalled: {reason}\n")

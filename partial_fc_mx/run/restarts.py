@@ -6,8 +6,9 @@ setup-utils/restarts.sh) on the hosts that still answer. Between two launches th
 `python -m partial_fc_mx restart`, which reads what the job left behind (the
 heartbeats' verdict, the launcher's output, the ranks' last steps, the checkpoints),
 writes the restart into training.log and metrics.jsonl, and answers with the work dir
-to resume from, or refuses: a second failure after the same step for the same reason
-is the job itself (a bad record, a bug), not a lost host, and relaunching it would loop.
+to resume from, or refuses: a second failure for the same reason after the same step
+(or with no checkpoint saved since) is the job itself (a bad record, a bug), not a
+lost host, and relaunching it would loop.
 """
 
 from __future__ import annotations
@@ -33,17 +34,21 @@ class Failure:
     step: int | None
     """The last step every rank had finished (None: no step was reached)."""
 
-    def same_as(self, record: dict) -> bool:
-        """Whether a restart record of metrics.jsonl tells of this very failure."""
-        return (record.get("failure"), record.get("who"), record.get("step")) == (
-            self.kind, self.who, self.step)
+    def same_as(self, record: dict, checkpoint_step: int | None) -> bool:
+        """Whether the previous restart (a record of metrics.jsonl) was for this very
+        failure: the same kind and rank, host or error, after the same step or with no
+        checkpoint saved since (steps are known to about a second)."""
+        return (record.get("failure"), record.get("who")) == (self.kind, self.who) and (
+            record.get("step") == self.step or record.get("checkpoint") == checkpoint_step)
 
 
-LOST_HOST = re.compile(r"ORTE has lost communication with a remote daemon.*?"
+LOST_HOST = re.compile(r"(?:ORTE|PRTE) has lost communication with a remote daemon.*?"
                        r"Remote daemon:.*? on node (\S+)", re.DOTALL)
 SIGNALLED = re.compile(r"process rank (\d+) with PID \d+ on node (\S+) exited on signal "
                        r"(\d+) \(([^)]*)\)")
-SRUN_KILLED = re.compile(r"^srun: error: (\S+): tasks? ([\d,-]+): Killed$", re.MULTILINE)
+SRUN_FIRST = re.compile(r"^srun: error: (\S+): tasks? ([\d,-]+): (.*)$", re.MULTILINE)
+"""srun's first line about a task: the one that failed (with --kill-on-bad-exit, the
+tasks it then ends follow as "Killed")."""
 WATCHDOG = re.compile(r"^Timeout \(\d+:\d\d:\d\d\)!$", re.MULTILINE)
 ERROR = re.compile(r"^error: (.*)$", re.MULTILINE)
 INSPECTOR = re.compile(r"Missing ranks:\s*\n\s*(\d+): \[([^\]\n]*)")
@@ -80,8 +85,8 @@ def evidence(work_dir: Path, status: int, output: str) -> Failure:
         rank, host, number, name = signalled.groups()
         return Failure("signal", f"rank {rank}",
                        f"rank {rank} on {host} was ended by signal {number} ({name})", step)
-    if killed := SRUN_KILLED.search(output):
-        host, tasks = killed.groups()
+    if (first := SRUN_FIRST.search(output)) and first.group(3) == "Killed":
+        host, tasks, _ = first.groups()
         return Failure("signal", f"task {tasks}", f"task {tasks} on {host} was killed", step)
     if WATCHDOG.search(output):
         return Failure("watchdog", "", "a rank made no progress for stall_timeout seconds "
@@ -112,12 +117,15 @@ def restart(work_dir: Path, status: int, output: str, hosts: list[str], processe
     job stopped on purpose (it saved and said so) is not relaunched, whatever the
     launcher's exit status."""
     failure = failure_of(work_dir, status, output)
+    heartbeat.clear(work_dir)  # read: the next launch starts with none
     previous = previous_restart(work_dir)
+    saved = checkpoint.checkpoints(work_dir)
+    latest = checkpoint.step_of(saved[-1]) if saved else None
     refusal = None
     if stopped := STOPPED.search(output):
         refusal = (f"not restarting: the job was stopped on purpose (a signal) and saved "
                    f"at step {stopped.group(1)}")
-    elif previous is not None and failure.same_as(previous):
+    elif previous is not None and failure.same_as(previous, latest):
         refusal = (f"not restarting: the job failed again after step {failure.step} for "
                    f"the same reason ({failure.reason}); fix the cause, then resume with "
                    f"--resume-from {work_dir}")
@@ -125,9 +133,8 @@ def restart(work_dir: Path, status: int, output: str, hosts: list[str], processe
         append_record(work_dir, {"kind": "restart refused", "step": failure.step,
                                  "reason": refusal})
         return None, refusal
-    saved = checkpoint.checkpoints(work_dir)
     append_record(work_dir, {
         "kind": "restart", "attempt": attempt, "step": failure.step, "failure": failure.kind,
         "who": failure.who, "reason": failure.reason, "hosts": hosts, "processes": processes,
-        "dropped": dropped, "checkpoint": checkpoint.step_of(saved[-1]) if saved else None})
+        "dropped": dropped, "checkpoint": latest})
     return (str(work_dir) if saved else None), None

@@ -1,0 +1,124 @@
+"""A long run stays fast: the trainer itself (train.train: saves, background exports,
+heartbeats, evaluation-free) over thousands of steps at a realistic Partial FC size,
+with every rank's resident memory sampled beside it.
+
+    mpirun -np 2 -H localhost:2 --oversubscribe python -m partial_fc_mx.bench soak \\
+        --classes 1000000 --sample-rate 0.1 --steps 2000 --save-every 250
+
+It prints the step time of the first and the last 10% of the steps after the warm-up
+(from metrics.jsonl's records, one every `--frequent` steps), their ratio, and each
+rank's resident memory at the start of that window and at the end. Horovod's response
+cache: every collective of a step has the same name and shape at every step, and a
+step runs fewer of them than the cache holds (dist.RESPONSE_CACHE), so after the first
+step none needs a negotiation; a flat step time over the run is what shows it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from .. import dist, train
+from ..config import Config
+from ..run.metrics import read_metrics
+
+RSS_EVERY = 10.0
+"""Seconds between two samples of a rank's resident memory."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--classes", type=int, default=1_000_000)
+    parser.add_argument("--sample-rate", type=float, default=0.1)
+    parser.add_argument("--network", default="tiny")
+    parser.add_argument("--batch-size", type=int, default=128, help="per rank")
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--save-every", type=int, default=250)
+    parser.add_argument("--frequent", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=50, help="steps left out of the figures")
+    parser.add_argument("--output", default=str(Path(tempfile.gettempdir()) /
+                                                "partial_fc_mx-bench-soak"),
+                        help="work directory of the run (shared by all hosts)")
+
+
+def run(args: argparse.Namespace) -> None:
+    world = dist.init()
+    config = Config(rec="random", num_classes=args.classes, sample_rate=args.sample_rate,
+                    network=args.network, embedding_size=512, batch_size=args.batch_size,
+                    num_image=args.batch_size * world.size * (args.steps + 1),
+                    max_steps=args.steps, save_every=args.save_every,
+                    frequent=args.frequent, verbose=10**9, val_targets=[],
+                    output=args.output)
+    config.validate()
+    memory = Path(args.output) / f"soak-rss-rank{world.rank}.jsonl"
+    memory.parent.mkdir(parents=True, exist_ok=True)
+    memory.unlink(missing_ok=True)
+    with RssSampler(memory):
+        train.train(config)
+    dist.barrier("bench.soak")
+    if world.is_main:
+        print_report(Path(args.output), world.size, args)
+
+
+class RssSampler:
+    """Appends {"time", "rss_mib"} of this process to a file every RSS_EVERY seconds."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self._stop = path, threading.Event()
+        self._thread = threading.Thread(target=self._run, name="soak-rss", daemon=True)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        process = psutil.Process()
+        with open(self.path, "a") as out:
+            while True:
+                out.write(json.dumps({"time": time.time(),
+                                      "rss_mib": process.memory_info().rss / 2**20}) + "\n")
+                out.flush()
+                if self._stop.wait(RSS_EVERY):
+                    return
+
+
+def print_report(work_dir: Path, ranks: int, args) -> None:
+    metrics = read_metrics(work_dir)
+    steps = [r for r in zip(metrics["step"], metrics["speed"]) if r[0] > args.warmup]
+    tenth = max(1, len(steps) // 10)
+    # each step record carries the speed of the `frequent` steps before it (images/s)
+    seconds = [args.batch_size * ranks / speed for _, speed in steps]
+    first, last = statistics.median(seconds[:tenth]), statistics.median(seconds[-tenth:])
+    print(f"soak: {len(metrics['step'])} logged steps to step {metrics['step'][-1]}, C = "
+          f"{args.classes}, r = {args.sample_rate}, {args.network}, {ranks} ranks x "
+          f"{args.batch_size}, a save every {args.save_every} steps")
+    print(f"step time: first 10% after step {args.warmup} (steps {steps[0][0]}-"
+          f"{steps[tenth - 1][0]}) {first:.3f} s, last 10% (steps {steps[-tenth][0]}-"
+          f"{steps[-1][0]}) {last:.3f} s, last / first = {last / first:.3f}")
+    begin = time_of_step(work_dir, steps[0][0])
+    for rank in range(ranks):
+        samples = [json.loads(line) for line in
+                   (work_dir / f"soak-rss-rank{rank}.jsonl").read_text().splitlines()]
+        after = [s for s in samples if s["time"] >= begin] or samples
+        print(f"rank {rank} resident memory: {after[0]['rss_mib']:.0f} MiB at step "
+              f"{steps[0][0]}, {after[-1]['rss_mib']:.0f} MiB at the end, largest "
+              f"{max(s['rss_mib'] for s in after):.0f} MiB")
+
+
+def time_of_step(work_dir: Path, step: int) -> float:
+    """When metrics.jsonl recorded `step`."""
+    for line in (work_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record.get("kind") == "step" and record["step"] == step:
+            return record["time"]
+    return 0.0
