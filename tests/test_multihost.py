@@ -211,7 +211,7 @@ def test_hosts_with_different_copies_of_the_dataset_are_reported(tmp_path, synth
     assert "the ranks read different copies of the dataset" in said[0]
 
 
-RESTARTS = {"MAX_RESTARTS": "2", "RESTART_BACKOFF": "1", "PROBE_TIMEOUT": "15"}
+RESTARTS = {"MAX_RESTARTS": "2", "RESTART_BACKOFF": "1", "PROBE_TIMEOUT": "10"}
 
 
 def steps_trained(work: Path) -> list[int]:
@@ -245,9 +245,9 @@ def test_a_killed_rank_then_a_frozen_one_restart_the_job_which_finishes(tmp_path
     """3 hosts, MAX_RESTARTS=2. SIGKILL to host C's rank after the first checkpoint, then
     SIGSTOP to host B's in the relaunched job: each time the job ends, is relaunched on
     the three hosts (all answer) from its last checkpoint, and finally trains to
-    max_steps; the frozen rank is named by the heartbeats within a minute."""
-    config = config_file(tmp_path, synthetic, max_steps=16, save_every=4, val_targets=[],
-                         heartbeat_timeout=20)
+    max_steps; the frozen rank is named by the heartbeats within 45 s."""
+    config = config_file(tmp_path, synthetic, max_steps=12, save_every=4, val_targets=[],
+                         heartbeat_timeout=10)
     work = tmp_path / "work"
     pattern = f"partial_fc_mx train {config}"
     _, ns_b, ns_c = cluster.namespaces
@@ -278,14 +278,14 @@ def test_a_killed_rank_then_a_frozen_one_restart_the_job_which_finishes(tmp_path
                      rf"checkpoint step 4", text), text[-4000:]
     assert re.search(rf"restart 2: the job stalled: rank 1 \({ns_b}, pid {frozen}\) stopped "
                      rf"beating after step \d+: no heartbeat for \d+ s while rank \d \(pfc\w+\) "
-                     rf"waited for it \(heartbeat_timeout=20\) after step \d+; relaunching 3",
+                     rf"waited for it \(heartbeat_timeout=10\) after step \d+; relaunching 3",
                      text), text[-4000:]
-    assert named_within < 60, named_within
+    assert named_within < 45, named_within
     first, second = restart_records(work)
     for record in (first, second):  # at most one save interval of steps is lost
         assert record["processes"] == 3 and record["dropped"] == []
         assert 0 <= record["step"] - record["checkpoint"] <= 4, record
-    assert steps_trained(work) == list(range(1, 17))
+    assert steps_trained(work) == list(range(1, 13))
     assert not rank_pids(pattern)
 
 
@@ -315,7 +315,7 @@ def test_a_host_whose_link_goes_down_is_dropped_and_the_job_finishes_on_the_othe
         cluster.link("up", host=2)
     assert result.returncode == 0, result.stdout[-4000:]
     lost, kept = cluster.hosts[2], ", ".join(cluster.hosts[:2])
-    assert f"host {lost} did not answer within 15 s: dropped" in result.stdout
+    assert f"host {lost} did not answer within 10 s: dropped" in result.stdout
     text = (work / "training.log").read_text()
     assert re.search(rf"restart 1: the launcher lost its link to host "
                      rf"({cluster.namespaces[2]}|{re.escape(lost)}) after step \d+; "
