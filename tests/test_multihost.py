@@ -23,7 +23,6 @@ from conftest import (
     config_file,
     finish,
     kill_group,
-    logged,
     rank_pids,
     start,
     train_args,
@@ -142,24 +141,6 @@ def cluster(tmp_path_factory):
     made.remove()
 
 
-def test_two_hosts_train_save_and_resume_on_a_shared_work_dir(tmp_path, synthetic, cluster):
-    config = config_file(tmp_path, synthetic, max_steps=4, save_every=2, val_targets=[])
-    work = tmp_path / "work"
-    trained = finish(cluster.run_sh(config, "--work-dir", str(work)), timeout=300)
-    assert trained.returncode == 0, trained.stdout[-3000:]
-    ns_a, ns_b = cluster.namespaces[:2]
-    assert "OK: no problems found" in trained.stdout  # run.sh's preflight
-    assert f"processes: 2 on 2 host(s) ({ns_a}, {ns_b})" in trained.stdout
-    assert [line["step"] for line in logged(work)["steps"]] == [1, 2, 3, 4]
-    resumed = finish(cluster.run_sh(config, "--work-dir", str(work), "--resume-from",
-                                    str(work), "max_steps=6"), timeout=300)
-    assert resumed.returncode == 0, resumed.stdout[-3000:]
-    assert f"checkpoint: {work / 'checkpoints' / 'step_000004'} verifies" in resumed.stdout
-    assert f"resuming from {work / 'checkpoints' / 'step_000004'}" in resumed.stdout
-    assert [line["step"] for line in logged(work)["steps"]][-2:] == [5, 6]
-    assert (work / "checkpoints" / "step_000006" / "rank_1_softmax_weight.npy").is_file()
-
-
 def test_a_work_dir_that_is_not_shared_is_reported_before_training(tmp_path, synthetic,
                                                                     cluster):
     """Each host gets its own tmpfs over the work dir's parent."""
@@ -211,7 +192,7 @@ def test_hosts_with_different_copies_of_the_dataset_are_reported(tmp_path, synth
     assert "the ranks read different copies of the dataset" in said[0]
 
 
-RESTARTS = {"MAX_RESTARTS": "2", "RESTART_BACKOFF": "1", "PROBE_TIMEOUT": "10"}
+RESTARTS = {"MAX_RESTARTS": "2", "RESTART_BACKOFF": "1", "PROBE_TIMEOUT": "5"}
 
 
 def steps_trained(work: Path) -> list[int]:
@@ -242,24 +223,26 @@ def restart_records(work: Path) -> list[dict]:
 
 def test_a_killed_rank_then_a_frozen_one_restart_the_job_which_finishes(tmp_path, synthetic,
                                                                          cluster):
-    """3 hosts, MAX_RESTARTS=2. SIGKILL to host C's rank after the first checkpoint, then
-    SIGSTOP to host B's in the relaunched job: each time the job ends, is relaunched on
-    the three hosts (all answer) from its last checkpoint, and finally trains to
-    max_steps; the frozen rank is named by the heartbeats within 45 s."""
-    config = config_file(tmp_path, synthetic, max_steps=12, save_every=4, val_targets=[],
+    """3 hosts, MAX_RESTARTS=2, `run.sh` with a hostfile: the preflight, then training
+    that saves on every host into the shared work dir. SIGKILL to host C's rank after the
+    first checkpoint, then SIGSTOP to host B's in the relaunched job: each time the job
+    ends, is relaunched on the three hosts (all answer) from its last checkpoint, which
+    the preflight verifies, and finally trains to max_steps; the frozen rank is named by
+    the heartbeats within 45 s."""
+    config = config_file(tmp_path, synthetic, max_steps=10, save_every=3, val_targets=[],
                          heartbeat_timeout=10)
     work = tmp_path / "work"
     pattern = f"partial_fc_mx train {config}"
-    _, ns_b, ns_c = cluster.namespaces
+    ns_a, ns_b, ns_c = cluster.namespaces
     job = cluster.run_sh(config, "--work-dir", str(work), hosts=3, env=RESTARTS)
     frozen = None
     try:
-        wait_until(lambda: max(steps_trained(work), default=0) >= 5, job, 300, "step 5")
+        wait_until(lambda: max(steps_trained(work), default=0) >= 4, job, 300, "step 4")
         killed = ranks_on(cluster, 2, pattern)
         assert len(killed) == 1
         os.kill(killed[0], signal.SIGKILL)
         wait_until(lambda: len(restart_records(work)) == 1 and
-                   max(steps_trained(work), default=0) >= 9, job, 300, "step 9 relaunched")
+                   max(steps_trained(work), default=0) >= 7, job, 300, "step 7 relaunched")
         frozen = ranks_on(cluster, 1, pattern)[0]
         os.kill(frozen, signal.SIGSTOP)
         froze = time.time()
@@ -275,7 +258,7 @@ def test_a_killed_rank_then_a_frozen_one_restart_the_job_which_finishes(tmp_path
     assert re.search(rf"restart 1: rank 2 on ({ns_c}|{re.escape(cluster.hosts[2])}) was ended "
                      rf"by signal 9 \(Killed\) after "
                      rf"step \d+; relaunching 3 processes on {', '.join(cluster.hosts)}, from "
-                     rf"checkpoint step 4", text), text[-4000:]
+                     rf"checkpoint step 3", text), text[-4000:]
     assert re.search(rf"restart 2: the job stalled: rank 1 \({ns_b}, pid {frozen}\) stopped "
                      rf"beating after step \d+: no heartbeat for \d+ s while rank \d \(pfc\w+\) "
                      rf"waited for it \(heartbeat_timeout=10\) after step \d+; relaunching 3",
@@ -284,24 +267,33 @@ def test_a_killed_rank_then_a_frozen_one_restart_the_job_which_finishes(tmp_path
     first, second = restart_records(work)
     for record in (first, second):  # at most one save interval of steps is lost
         assert record["processes"] == 3 and record["dropped"] == []
-        assert 0 <= record["step"] - record["checkpoint"] <= 4, record
-    assert steps_trained(work) == list(range(1, 13))
+        assert 0 <= record["step"] - record["checkpoint"] <= 3, record
+    assert steps_trained(work) == list(range(1, 11))
     assert not rank_pids(pattern)
+    assert result.stdout.count("OK: no problems found") == 3  # each launch's preflight
+    assert f"processes: 3 on 3 host(s) ({ns_a}, {ns_b}, {ns_c})" in result.stdout
+    for step in (first["checkpoint"], second["checkpoint"]):
+        path = work / "checkpoints" / f"step_{step:06d}"
+        assert f"checkpoint: {path} verifies" in result.stdout  # the relaunch's preflight
+        assert f"resuming from {path}" in text
+    assert (work / "checkpoints" / "step_000010" / "rank_2_softmax_weight.npy").is_file()
 
 
 def test_a_host_whose_link_goes_down_is_dropped_and_the_job_finishes_on_the_others(
         tmp_path, synthetic, cluster):
-    """3 hosts, MAX_RESTARTS=2: host C's link cut after the first checkpoint. run.sh's
-    keepalives let mpirun notice within about a minute; the supervisor's probe finds
-    host C silent, drops it and relaunches on A and B from the checkpoint, re-sharded to
-    2 processes, to max_steps. The rank left behind on C ends by itself (its daemon's
-    keepalives, at the latest its watchdog)."""
+    """3 hosts, MAX_RESTARTS=2: host C's link cut after the first checkpoint. Open MPI's
+    keepalives (run.sh's take about a minute; here shortened to about 20 s) let mpirun
+    notice; the supervisor's probe finds host C silent, drops it and relaunches on A and
+    B from the checkpoint, re-sharded to 2 processes, to max_steps. The rank left behind
+    on C ends by itself (its daemon's keepalives, at the latest its watchdog)."""
     stall_timeout = 90
     config = config_file(tmp_path, synthetic, max_steps=12, save_every=4, val_targets=[],
                          stall_timeout=stall_timeout)
     work = tmp_path / "work"
     pattern = f"partial_fc_mx train {config}"
-    job = cluster.run_sh(config, "--work-dir", str(work), hosts=3, env=RESTARTS)
+    keepalive = {"OMPI_MCA_oob_tcp_keepalive_time": "10",
+                 "OMPI_MCA_oob_tcp_keepalive_intvl": "5", "OMPI_MCA_oob_tcp_keepalive_probes": "2"}
+    job = cluster.run_sh(config, "--work-dir", str(work), hosts=3, env={**RESTARTS, **keepalive})
     try:
         wait_until(lambda: max(steps_trained(work), default=0) >= 5, job, 300, "step 5")
         cluster.link("down", host=2)
@@ -315,7 +307,7 @@ def test_a_host_whose_link_goes_down_is_dropped_and_the_job_finishes_on_the_othe
         cluster.link("up", host=2)
     assert result.returncode == 0, result.stdout[-4000:]
     lost, kept = cluster.hosts[2], ", ".join(cluster.hosts[:2])
-    assert f"host {lost} did not answer within 10 s: dropped" in result.stdout
+    assert f"host {lost} did not answer within 5 s: dropped" in result.stdout
     text = (work / "training.log").read_text()
     assert re.search(rf"restart 1: the launcher lost its link to host "
                      rf"({cluster.namespaces[2]}|{re.escape(lost)}) after step \d+; "

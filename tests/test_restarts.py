@@ -126,6 +126,8 @@ def test_the_last_common_step_is_the_latest_launchs(tmp_path):
     peer(tmp_path, 1, beat=1, step=11)
     peer(tmp_path, 2, beat=1, step=3, launch="earlier")  # left behind a cut link
     assert restarts.last_common_step(tmp_path) == 11
+    (tmp_path / "checkpoints" / "step_000013").mkdir(parents=True)  # beats lag a save
+    assert restarts.last_common_step(tmp_path) == 13
 
 
 def test_the_failure_is_told_from_the_most_specific_evidence(tmp_path):

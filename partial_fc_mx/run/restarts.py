@@ -97,9 +97,14 @@ def evidence(work_dir: Path, status: int, output: str) -> Failure:
 
 
 def last_common_step(work_dir: Path) -> int | None:
-    """The last step every rank of the ended launch had finished, by its heartbeats."""
+    """The last step every rank of the ended launch had finished: by its heartbeats
+    (written about once a second), and at least its newest checkpoint's."""
     steps = [beat["step"] for beat in heartbeat.read_beats(work_dir).values()]
-    return min(steps) if steps else None
+    saved = checkpoint.checkpoints(work_dir)
+    known = [step for step in (min(steps) if steps else None,
+                               checkpoint.step_of(saved[-1]) if saved else None)
+             if step is not None]
+    return max(known) if known else None
 
 
 def previous_restart(work_dir: Path) -> dict | None:
