@@ -27,7 +27,7 @@ import psutil
 
 from .. import dist, train
 from ..config import Config
-from ..run.metrics import read_metrics
+from ..run.metrics import METRICS, read_metrics, read_records
 
 RSS_EVERY = 10.0
 """Seconds between two samples of a rank's resident memory."""
@@ -117,8 +117,5 @@ def print_report(work_dir: Path, ranks: int, args) -> None:
 
 def time_of_step(work_dir: Path, step: int) -> float:
     """When metrics.jsonl recorded `step`."""
-    for line in (work_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if record.get("kind") == "step" and record["step"] == step:
-            return record["time"]
-    return 0.0
+    return next((record["time"] for record in read_records(work_dir / METRICS)
+                 if record and record["kind"] == "step" and record["step"] == step), 0.0)
