@@ -7,4 +7,5 @@ bash setup-utils/install.sh
 echo "== ruff"
 .venv/bin/ruff check .
 echo "== pytest"
-.venv/bin/python -m pytest -q "$@"
+df -h "${TMPDIR:-/tmp}" | tail -n 1 | awk '{print "free in the temporary folder: " $4}'
+.venv/bin/python -m pytest -q --tb=short "$@"
