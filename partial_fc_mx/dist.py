@@ -190,6 +190,12 @@ def broadcast_parameters(params: dict, root_rank: int = 0) -> None:
     mx.nd.waitall()
 
 
+def stop_timeline() -> None:
+    """Close Horovod's timeline (HOROVOD_TIMELINE) on every rank, so that it can be read
+    whole: the file is written while the run goes on."""
+    hvd.stop_timeline()
+
+
 def barrier(name: str) -> None:
     hvd.allreduce(mx.nd.zeros(1), name=f"barrier.{name}").wait_to_read()
 

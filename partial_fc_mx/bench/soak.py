@@ -7,20 +7,26 @@ with every rank's resident memory sampled beside it.
 
 It prints the step time of the first and the last 10% of the steps after the warm-up
 (from metrics.jsonl's records, one every `--frequent` steps), their ratio, and each
-rank's resident memory at the start of that window and at the end. Horovod's response
-cache: every collective of a step has the same name and shape at every step, and a
-step runs fewer of them than the cache holds (dist.RESPONSE_CACHE), so after the first
-step none needs a negotiation; a flat step time over the run is what shows it.
+rank's resident memory at the start of that window and at the end, and how many
+collectives Horovod's response cache did not answer after the warm-up. That count
+comes from rank 0's Horovod timeline (written to the work dir): Horovod's coordinator
+records a rank's readiness for a collective (an "X" event named by the rank) only while
+it negotiates one the cache missed; a cache hit goes without. Every collective of a
+step has the same name and shape at every step, and a step runs fewer of them than
+the cache holds (dist.RESPONSE_CACHE), so none should be negotiated after the first
+step but for collectives whose shape changes (an object allgather, by its pickle).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import psutil
@@ -47,7 +53,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="work directory of the run (shared by all hosts)")
 
 
+TIMELINE = "horovod-timeline.json"
+OPERATIONS = {"ALLREDUCE", "ALLGATHER", "BROADCAST", "ALLTOALL", "REDUCESCATTER", "ADASUM",
+              "BARRIER", "JOIN"}
+"""The names of a collective's top-level event in Horovod's timeline (its response
+type); negotiations and activities (MPI_ALLREDUCE, ...) have others."""
+
+
 def run(args: argparse.Namespace) -> None:
+    Path(args.output).mkdir(parents=True, exist_ok=True)  # Horovod opens it at init
+    os.environ.setdefault("HOROVOD_TIMELINE", str(Path(args.output) / TIMELINE))
     world = dist.init()
     config = Config(rec="random", num_classes=args.classes, sample_rate=args.sample_rate,
                     network=args.network, embedding_size=512, batch_size=args.batch_size,
@@ -62,6 +77,7 @@ def run(args: argparse.Namespace) -> None:
     with RssSampler(memory):
         train.train(config)
     dist.barrier("bench.soak")
+    dist.stop_timeline()
     if world.is_main:
         print_report(Path(args.output), world.size, args)
 
@@ -113,6 +129,35 @@ def print_report(work_dir: Path, ranks: int, args) -> None:
         print(f"rank {rank} resident memory: {after[0]['rss_mib']:.0f} MiB at step "
               f"{steps[0][0]}, {after[-1]['rss_mib']:.0f} MiB at the end, largest "
               f"{max(s['rss_mib'] for s in after):.0f} MiB")
+    timeline = Path(os.environ["HOROVOD_TIMELINE"])
+    if not timeline.is_file():
+        print(f"no Horovod timeline at {timeline}: the response cache was not observed")
+        return
+    window = (begin, time_of_step(work_dir, steps[-1][0]))
+    before, negotiated, run = negotiations(timeline, *window)
+    names = ", ".join(f"{name} x{count}" for name, count in negotiated.most_common(6))
+    print(f"Horovod's response cache (rank 0's timeline {timeline}): between steps "
+          f"{steps[0][0]} and {steps[-1][0]}, {sum(negotiated.values())} of {run} "
+          f"collectives were negotiated{': ' + names if names else ''}; {before} before "
+          "(each collective's first time)")
+
+
+def negotiations(timeline: Path, begin: float, end: float) -> tuple[int, Counter, int]:
+    """From a Horovod timeline: (negotiations before `begin`, {tensor: negotiations}
+    between `begin` and `end`, collectives run between them). A negotiation shows as
+    each rank's readiness event, written only for a request the response cache did not
+    answer: rank 0's is counted, once per negotiation."""
+    events = json.loads(timeline.read_text())
+    start = next(e["args"]["start_time_since_epoch_in_micros"] for e in events
+                 if "start_time_since_epoch_in_micros" in e.get("args", {}))
+    low, high = begin * 1e6 - start, end * 1e6 - start  # microseconds since its start
+    tensors = {e["pid"]: e["args"]["name"] for e in events
+               if e["ph"] == "M" and e.get("name") == "process_name" and "name" in e["args"]}
+    ready = [e for e in events if e["ph"] == "X" and e.get("name") == "0"]
+    negotiated = Counter(tensors.get(e["pid"], "?") for e in ready if low <= e["ts"] <= high)
+    run = sum(1 for e in events if e["ph"] == "B" and e.get("name") in OPERATIONS
+              and low <= e["ts"] <= high)
+    return sum(1 for e in ready if e["ts"] < low), negotiated, run
 
 
 def time_of_step(work_dir: Path, step: int) -> float:
