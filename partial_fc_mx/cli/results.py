@@ -1,6 +1,7 @@
 """What a run wrote, evaluated and exported: `eval` (.bin verification sets),
-`eval-ijb` and `roc` (IJB-B/IJB-C 1:1), `export` and `check-onnx` (backbone.onnx) and
-`plot` (curves from metrics.jsonl)."""
+`eval-ijb` and `roc` (IJB-B/IJB-C 1:1), `export` and `check-onnx` (backbone.onnx),
+`plot` (curves from metrics.jsonl); and `import-backbone`, another framework's model
+as a work dir to start from."""
 
 from __future__ import annotations
 
@@ -49,6 +50,20 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     onnx_check.add_argument("--runs", type=int, default=20)
     onnx_check.add_argument("--max-mb", type=float, default=0.0, help="size budget")
     onnx_check.add_argument("--max-ms", type=float, default=0.0, help="latency budget")
+    imported = commands.add_parser(
+        "import-backbone", help="an arcface_torch or insightface model (ONNX, or MXNet "
+                                "symbol/params) as a work dir to fine-tune from (--load-from)")
+    imported.set_defaults(func=import_command)
+    imported.add_argument("source", help="MODEL.onnx, or PREFIX-symbol.json (with "
+                                         "PREFIX-0000.params), or PREFIX,EPOCH")
+    imported.add_argument("work_dir")
+    imported.add_argument("--network", required=True,
+                          help="its architecture by our name: r18, r34, r50, r100, r200, mbf, "
+                               "mobilefacenet")
+    imported.add_argument("--calibrate", metavar="DATASET",
+                          help="a packed dataset (e.g. your own photos) to measure the "
+                               "statistics of BatchNorms the export folded away on (default: "
+                               "the ORL faces)")
     plot = commands.add_parser("plot", help="PNG curves from WORK_DIR/metrics.jsonl; several "
                                             "work dirs are compared on the same figures")
     plot.set_defaults(func=plot_command)
@@ -62,6 +77,28 @@ def plot_command(args: argparse.Namespace) -> int:
 
     for path in plot_work_dirs(args.work_dirs, args.out):
         print(f"wrote {path}")
+    return 0
+
+
+def import_command(args: argparse.Namespace) -> int:
+    from ..backbones import unknown_network
+    from ..imports.importer import MIN_COSINE, import_backbone
+    from ..imports.layers import BackboneImportError
+
+    if problem := unknown_network(args.network):
+        raise BackboneImportError(problem)
+    report = import_backbone(args.source, args.work_dir, args.network, args.calibrate)
+    print(f"imported {report.source.path} ({report.source.kind}) as {report.network}, "
+          f"{report.embedding_size}-d embeddings: our network and the source agree on random "
+          f"inputs to a worst cosine of {report.worst_cosine:.6f} (>= {MIN_COSINE})")
+    if report.folded:
+        print(f"{len(report.folded)} BatchNorms the export had folded into convolutions got "
+              f"statistics from {report.calibrated_on}: in training mode the embeddings "
+              f"of those faces agree with inference to a worst cosine of "
+              f"{report.training_cosine:.4f}")
+    print(f"wrote {report.checkpoint} and {args.work_dir}/backbone-*: fine-tune with "
+          f"`train CONFIG network={report.network} --load-from {args.work_dir}`; `eval` "
+          "and `export` take the work dir")
     return 0
 
 

@@ -76,7 +76,8 @@ def check_command(args: argparse.Namespace) -> int:
         raise ConfigError("key=value overrides and --work-dir need a config file: "
                           "check CONFIG key=value ...")
     config = agreed_config(args) if args.config else None
-    return run_check(config, args.resume_from or args.load_from)
+    return run_check(config, args.resume_from or args.load_from,
+                     weights_only=not args.resume_from)
 
 
 def train_command(args: argparse.Namespace) -> int:

@@ -98,6 +98,11 @@ def normalized(embeddings: np.ndarray) -> np.ndarray:
     return embeddings / np.linalg.norm(embeddings, axis=1, keepdims=True)
 
 
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The cosine between each row of `a` and the same row of `b` (flattened)."""
+    return (normalized(a.reshape(len(a), -1)) * normalized(b.reshape(len(b), -1))).sum(axis=1)
+
+
 def pair_similarities(embeddings: np.ndarray) -> np.ndarray:
     return (embeddings[0::2] * embeddings[1::2]).sum(axis=1)
 

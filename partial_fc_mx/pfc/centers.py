@@ -70,7 +70,7 @@ class ClassCenters:
                                    embedding_size, optimizer, ctx=ctx, dtype=dtype, lazy=lazy)
                        for start in range(shard.start, shard.stop, self.block_rows)]
         if initialize:  # else the caller loads every row (a checkpoint) next
-            fill_initial_centers([block.weight for block in self.blocks], seed, shard)
+            self.draw_initial(seed)
         self.rng = np.random.default_rng([seed, rank])
         self.buffers = Buffers(ctx)
         self._last_split = None  # (index, its split): see _split
@@ -135,6 +135,11 @@ class ClassCenters:
             self.rng.bit_generator.state = state["sampler"]
         if self.idle is not None:
             self.idle.all_current()
+
+    def draw_initial(self, seed: int) -> None:
+        """The rows a run starting afresh has (fill_initial_centers), e.g. under an
+        imported backbone."""
+        fill_initial_centers([block.weight for block in self.blocks], seed, self.shard)
 
     def restart_sampler(self, seed: int, rank: int, step: int) -> None:
         """A fresh negative-sampling stream, e.g. after a resume on another world size

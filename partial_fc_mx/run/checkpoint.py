@@ -14,6 +14,10 @@
         rank_{r}_sampler.json          rank r's negative-sampling generator state
     work_dir/backbone-symbol.json, backbone-0000.params   the backbone for inference
 
+A backbone imported from another framework (import-backbone) is a checkpoint of step
+0 holding backbone.params alone, its meta.json marked "backbone_only": --load-from
+takes it and draws fresh class centers; --resume-from refuses it.
+
 Every rank checks that its weights are finite, writes and fsyncs its files into
 `.step_000120.partial/`, and reports their sizes and checksums; rank 0 writes
 meta.json, fsyncs the directory and renames it. A crash at any point leaves either
@@ -53,8 +57,9 @@ from .precision import all_finite
 
 CHECKPOINTS = "checkpoints"
 BACKBONE, OPTIMIZER, META = "backbone.params", "backbone_optimizer.npz", "meta.json"
-FORMAT = 4  # meta.json's "format": bumped when the layout above changes
+FORMAT = 5  # meta.json's "format": bumped when the layout above changes
 # 4: the best accuracy and its step under "validator" (format 3 kept them at the top)
+# 5: backbone-only checkpoints (import-backbone)
 SGD_STATES = ["mom"]
 """The center states of a checkpoint whose meta.json names none (formats 1 and 2)."""
 
@@ -304,6 +309,30 @@ def save_backbone(net, prefix: str | os.PathLike, record: dict | None = None) ->
                                  lambda path: path.write_text(json.dumps(record)))
 
 
+def save_imported(work_dir: Path, net, record: dict) -> Path:
+    """A backbone-only checkpoint of step 0 in work_dir, and its inference files;
+    `record` (where it came from) goes into both records. A work dir that holds
+    checkpoints already is refused: --load-from would take its newest, not this one."""
+    refuse_used_work_dir(work_dir)
+    root = Path(work_dir) / CHECKPOINTS
+    final = root / checkpoint_name(0)
+    partial = root / f".{final.name}.partial"
+    remove_stale(root)
+    partial.mkdir(parents=True)
+    files = {BACKBONE: durable.written_by(partial / BACKBONE, net.save_parameters)}
+    meta = {"format": FORMAT, "step": 0, "backbone_only": True, **record, "files": files}
+    durable.write_file(partial / META, lambda f: f.write(json.dumps(meta, indent=1).encode()))
+    publish(partial, final)
+    save_backbone(net, Path(work_dir) / "backbone", {"step": 0, **record})
+    return final
+
+
+def refuse_used_work_dir(work_dir: str | os.PathLike) -> None:
+    if checkpoints(work_dir):
+        raise CheckpointError(f"{work_dir} holds checkpoints of a run already: import into "
+                              "a new work dir")
+
+
 # ----- verifying -----
 def verify(checkpoint: Path, rank: int = 0, world_size: int = 1,
            weights_only: bool = False) -> list[str]:
@@ -313,17 +342,21 @@ def verify(checkpoint: Path, rank: int = 0, world_size: int = 1,
     its backbone and shards are read without checksums (none of them is a pickle)."""
     try:
         meta = json.loads((checkpoint / META).read_text())
-        saved_world = int(meta["world_size"])
         if int(meta.get("format", 1)) > FORMAT:
             return [f"{checkpoint} was written by a newer version of partial_fc_mx (format "
                     f"{meta['format']}; this one reads up to {FORMAT})"]
+        if meta.get("backbone_only") and not weights_only:
+            return [f"{checkpoint} holds an imported backbone only: train from it with "
+                    "--load-from, not --resume-from"]
+        saved_world = 0 if meta.get("backbone_only") else int(meta["world_size"])
         if weights_only and "files" not in meta:
             return [f"{checkpoint / name} is missing" for name in weight_files(saved_world)
                     if not (checkpoint / name).is_file()]
         files = {plain_name(name): (int(r["bytes"]), int(r["crc32"]))
                  for name, r in meta["files"].items()}
-        expected = [OPTIMIZER, BACKBONE, *(name for r in range(saved_world) for name in [
-            sampler_file(r), *(center_file(r, n) for n in ["weight", *center_states(meta)])])]
+        expected = [BACKBONE] if meta.get("backbone_only") else [
+            OPTIMIZER, BACKBONE, *(name for r in range(saved_world) for name in [
+                sampler_file(r), *(center_file(r, n) for n in ["weight", *center_states(meta)])])]
     except FileNotFoundError:
         return [f"{checkpoint / META} is missing"]
     except (ValueError, KeyError, TypeError, AttributeError) as error:
@@ -382,6 +415,13 @@ def read_meta(checkpoint: Path, pfc: PartialFC, weights_only: bool = False) -> d
     """meta.json, if this run can take the checkpoint: the same classes and embedding
     size, and (to resume) the centers' optimizer the checkpoint keeps the states of."""
     meta = json.loads((checkpoint / META).read_text())
+    if meta.get("backbone_only"):
+        if meta["embedding_size"] != pfc.embedding_size:
+            raise CheckpointError(
+                f"{checkpoint} holds a backbone of {meta['embedding_size']}-d embeddings "
+                f"({meta.get('imported_from', 'imported')}); this run has "
+                f"embedding_size={pfc.embedding_size}")
+        return meta
     if (meta["num_classes"], meta["embedding_size"]) != (pfc.num_classes, pfc.embedding_size):
         raise CheckpointError(
             f"{checkpoint} holds {meta['num_classes']} x {meta['embedding_size']} class centers "
@@ -498,7 +538,17 @@ def resume(checkpoint: Path, net, trainer, pfc: PartialFC, validator: Validator,
 
 
 def load_weights(checkpoint: Path, net, pfc: PartialFC, ctx: mx.Context) -> None:
-    """--load-from: backbone and centers only; optimizer state and step start afresh."""
+    """--load-from: backbone and centers only (fresh centers under an imported backbone);
+    optimizer state and step start afresh."""
     meta = read_meta(checkpoint, pfc, weights_only=True)
-    load_parameters(net, checkpoint / BACKBONE, ctx)
-    load_centers(checkpoint, meta, pfc, with_states=False)
+    try:
+        load_parameters(net, checkpoint / BACKBONE, ctx)
+    except (AssertionError, mx.base.MXNetError) as error:  # another network's parameters
+        saved = f" ({meta['network']})" if "network" in meta else ""
+        why = next((line for line in str(error).splitlines() if line.strip()), repr(error))
+        raise CheckpointError(f"{checkpoint} holds a backbone{saved} that this run's network "
+                              f"cannot take: {why}") from error
+    if meta.get("backbone_only"):
+        pfc.centers.draw_initial(pfc.seed)
+    else:
+        load_centers(checkpoint, meta, pfc, with_states=False)

@@ -49,10 +49,11 @@ class RankInfo:
     problems: list[str]
 
 
-def run_check(config: Config | None, checkpoint: str | None = None) -> int:
+def run_check(config: Config | None, checkpoint: str | None = None,
+              weights_only: bool = False) -> int:
     """Print the report on rank 0; return the exit code every rank should use.
     `config` None: the environment alone. `checkpoint`: what --resume-from/--load-from
-    names, checked to verify."""
+    names, checked to verify as that option takes it (`weights_only`: --load-from)."""
     world = dist.init()
     mine = []  # this rank's problems: every rank reports its own, none raises alone
     try:
@@ -103,7 +104,7 @@ def run_check(config: Config | None, checkpoint: str | None = None) -> int:
     resumable = None
     if checkpoint:
         try:
-            resumable, notes = find_resumable(checkpoint, world)
+            resumable, notes = find_resumable(checkpoint, world, weights_only)
         except CheckpointError as error:
             problems.append(str(error))
     if world.is_main:

@@ -1,0 +1,204 @@
+"""Lay a source's layers (layers.py) onto our network of the same architecture, in
+order: our weighted layers and theirs come in the same sequence, each checked for
+kind and shape, so a wrong `--network` or an unknown architecture stops at the first
+layer that does not fit, named on both sides.
+
+Three differences are bridged exactly (the same function in inference):
+  - a BatchNorm folded into the convolution before it (an ONNX export in eval mode
+    does this: the convolution gains a bias, the BatchNorm is gone): our BatchNorm
+    after that convolution becomes the identity plus that bias, its statistics to be
+    estimated (calibration.py);
+  - a different epsilon (insightface's MXNet models: 2e-5; a BatchNorm with its scale
+    fixed at 1 (MXNet's fix_gamma, ours in the embedding's BatchNorm) where the
+    other learned one: both moved into the variance;
+  - the input's scale (1/127.5 against our 1/128): moved into the first convolution.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import mxnet as mx
+import numpy as np
+from mxnet.gluon import nn
+
+from ..data.network_input import PIXEL_SCALE
+from .layers import BackboneImportError, Conv, Dense, Norm, Slope, Source, describe
+
+WEIGHTED = (nn.Conv2D, nn.BatchNorm, nn.PReLU, nn.Dense)
+SOURCE_KIND = {nn.Conv2D: Conv, nn.BatchNorm: Norm, nn.PReLU: Slope, nn.Dense: Dense}
+
+
+@dataclass
+class Mapping:
+    """What the assignment did: `checkpoints`, (our layer's name, the source tensor it
+    must equal) after each layer where both compute the same thing (to find the first
+    that differs); `folded`, our BatchNorms that took a folded one's place."""
+
+    checkpoints: list = field(default_factory=list)
+    folded: list = field(default_factory=list)
+
+
+def named_layers(block, prefix: str = ""):
+    """Every block under `block` with its structural name (features.3.body.1, as
+    checkpoints name its parameters), in the order they were added."""
+    for name, child in block._children.items():
+        yield f"{prefix}{name}", child
+        yield from named_layers(child, f"{prefix}{name}.")
+
+
+@contextmanager
+def forward_hooks(net, names: list[str], record) -> Iterator[None]:
+    """Within the block, `record(name, inputs, output)` after each forward of the named
+    layers (the network must run unhybridized: a cached graph calls no hooks)."""
+    layers = dict(named_layers(net))
+    hooks = [layers[name].register_forward_hook(
+        lambda block, inputs, output, name=name: record(name, inputs, output))
+        for name in names]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.detach()
+
+
+def weighted_layers(net) -> list[tuple[str, object]]:
+    """Our network's weighted layers in the order it computes them: each block's
+    children run in the order they were added, the shortcut after the body."""
+    return [(name, block) for name, block in named_layers(net) if isinstance(block, WEIGHTED)]
+
+
+def assign(net, source: Source) -> Mapping:
+    """Set `net`'s parameters (initialized, float32) from `source`; raise naming the
+    first pair of layers that does not fit."""
+    ours, theirs = weighted_layers(net), list(source.layers)
+    mapping, position, pending_bias = Mapping(), 0, None
+    for index, (name, block) in enumerate(ours):
+        if isinstance(block, nn.BatchNorm) and pending_bias is not None:
+            conv, bias = pending_bias
+            identity_with_bias(block, bias)
+            mapping.folded.append(name)
+            mapping.checkpoints.append((name, conv.output))
+            pending_bias = None
+            continue
+        if position >= len(theirs):
+            raise BackboneImportError(f"{source.path} ends before our layer {name} "
+                                      f"({type(block).__name__}): not this network")
+        layer = theirs[position]
+        if not isinstance(layer, SOURCE_KIND[type(block)]):
+            raise mismatch(source, position, layer, name, block, "a different kind of layer")
+        if isinstance(layer, Conv):
+            following = theirs[position + 1] if position + 1 < len(theirs) else None
+            next_is_norm = (index + 1 < len(ours) and isinstance(ours[index + 1][1], nn.BatchNorm))
+            scale = source.input_scale / PIXEL_SCALE if index == 0 else 1.0
+            set_conv(block, layer, scale, source, position, name)
+            own_norm = isinstance(following, Norm) and following.input == layer.output
+            if next_is_norm and not own_norm:  # its BatchNorm was folded into it
+                pending_bias = (layer, layer.bias if layer.bias is not None
+                                else np.zeros(len(layer.weight), np.float32))
+            elif layer.bias is not None and own_norm:  # the bias goes into its mean
+                theirs[position + 1] = shifted(following, -layer.bias)
+            elif layer.bias is not None:
+                raise mismatch(source, position, layer, name, block, "a bias ours lacks")
+        elif isinstance(layer, Norm):
+            set_norm(block, layer, source, position, name)
+            mapping.checkpoints.append((name, layer.output))
+        elif isinstance(layer, Slope):
+            slopes = layer.alpha.reshape(-1)
+            if slopes.size == 1:  # one slope for every channel (layout.py): the same function
+                slopes = np.repeat(slopes, block.alpha.shape[0])
+            expect(block.alpha, slopes, source, position, layer, name)
+            mapping.checkpoints.append((name, layer.output))
+        else:
+            following = theirs[position + 1] if position + 1 < len(theirs) else None
+            if layer.bias is not None and block.bias is None and isinstance(following, Norm) \
+                    and following.input == layer.output:  # insightface's MXNet GDC head
+                theirs[position + 1] = shifted(following, -layer.bias)
+                layer = Dense(layer.weight, None, layer.output)
+            else:
+                mapping.checkpoints.append((name, layer.output))
+            set_dense(block, layer, source, position, name)
+        position += 1
+    if position < len(theirs):
+        raise BackboneImportError(
+            f"{source.path} has layers past our network's last ({ours[-1][0]}), from layer "
+            f"{position}: {describe(theirs[position])}; not this network")
+    return mapping
+
+
+def set_conv(block: nn.Conv2D, layer: Conv, scale: float, source: Source, position: int,
+             name: str) -> None:
+    options = block._kwargs
+    ours = (tuple(options["stride"]), tuple(options["pad"]), options["num_group"])
+    if ours != (tuple(layer.stride), tuple(layer.padding), layer.groups):
+        raise mismatch(source, position, layer, name, block,
+                       f"stride, padding, groups {(layer.stride, layer.padding, layer.groups)}"
+                       f" where ours are {ours}")
+    expect(block.weight, layer.weight * np.float32(scale), source, position, layer, name)
+
+
+def set_norm(block: nn.BatchNorm, layer: Norm, source: Source, position: int,
+             name: str) -> None:
+    """Their BatchNorm into ours: the same function with our epsilon, and with our
+    scale fixed at 1 where ours has no learned scale (moved into the variance)."""
+    eps = block._kwargs["eps"]
+    var = layer.var.astype(np.float64) + layer.eps
+    gamma = layer.gamma.astype(np.float64)
+    if not block._kwargs["fix_gamma"]:
+        expect(block.gamma, gamma, source, position, layer, name)
+    elif not np.allclose(gamma, 1.0):
+        if (gamma <= 0).any():
+            raise mismatch(source, position, layer, name, block,
+                           "a scale <= 0 where ours is fixed at 1")
+        var = var / gamma ** 2
+    expect(block.beta, layer.beta, source, position, layer, name)
+    put(block.running_mean, layer.mean.astype(np.float32))
+    put(block.running_var, np.maximum(var - eps, 0).astype(np.float32))
+
+
+def set_dense(block: nn.Dense, layer: Dense, source: Source, position: int, name: str) -> None:
+    expect(block.weight, layer.weight, source, position, layer, name)
+    if (block.bias is None) != (layer.bias is None):
+        raise mismatch(source, position, layer, name, block,
+                       "a bias where ours has none" if block.bias is None else
+                       "no bias where ours has one")
+    if layer.bias is not None:
+        expect(block.bias, layer.bias, source, position, layer, name)
+
+
+def identity_with_bias(block: nn.BatchNorm, bias: np.ndarray) -> None:
+    """Our BatchNorm as x + bias (in inference): the folded one's place."""
+    eps = block._kwargs["eps"]
+    channels = len(bias)
+    put(block.gamma, np.ones(channels, np.float32))
+    put(block.beta, bias.astype(np.float32))
+    put(block.running_mean, np.zeros(channels, np.float32))
+    put(block.running_var, np.full(channels, 1 - eps, np.float32))
+
+
+def shifted(norm: Norm, shift: np.ndarray) -> Norm:
+    """A BatchNorm after a convolution's bias, as one after the bias-free convolution."""
+    return Norm(norm.gamma, norm.beta, norm.mean + shift, norm.var, norm.eps, norm.output,
+                norm.input)
+
+
+def expect(parameter, value: np.ndarray, source: Source, position: int, layer, name: str) -> None:
+    if tuple(parameter.shape) != tuple(value.shape):
+        raise mismatch(source, position, layer, name, None,
+                       f"{parameter.name.split('_')[-1]} of shape {tuple(value.shape)} where "
+                       f"ours is {tuple(parameter.shape)}")
+    put(parameter, value)
+
+
+def put(parameter, value: np.ndarray) -> None:
+    parameter.set_data(mx.nd.array(np.asarray(value, np.float32)))
+
+
+def mismatch(source: Source, position: int, layer, name: str, block, why: str
+             ) -> BackboneImportError:
+    ours = f"our {name}" + (f" ({type(block).__name__})" if block is not None else "")
+    return BackboneImportError(
+        f"{source.path}: its layer {position}, {describe(layer)}, does not fit {ours}: "
+        f"{why}. Is --network the model's architecture?")
