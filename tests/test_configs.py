@@ -13,9 +13,10 @@ and the log must say which.
 CI takes a shorter path: each network and precision runs at full size once, in the
 first config (by file name) that has them; a later config with the same network and
 precision trains `tiny` in its place, everything else as written (margin, sampling,
-classes, schedule, fp16). Under the AVX2 cap each precision runs at full size once, and
-the configs that would train `tiny` in its place do not run again (matrix()). The full
-matrix, every config at its own network under both:
+classes, schedule, fp16). Under the AVX2 cap each precision runs at full size once for
+the configs with fp16 = True and once for the others, in the one with the smallest
+network (then by file name), and the configs that would train `tiny` in its place do
+not run again (matrix()). The full matrix, every config at its own network under both:
 
     PFC_FULL_MATRIX=1 .venv/bin/python -m pytest tests/test_configs.py --durations=0
 """
@@ -44,6 +45,8 @@ from partial_fc_mx.prep.synthetic import prepare_synthetic
 from partial_fc_mx.run.export import parity
 
 CONFIGS = sorted((REPO / "configs").glob("*.py"))
+BY_SIZE = ("tiny", "mobilefacenet", "mbf", "r18", "r34", "r50", "r100", "r200")
+"""Our networks from the cheapest to train to the dearest."""
 CLASSES = 60
 FULL_MATRIX = os.environ.get("PFC_FULL_MATRIX") == "1"
 
@@ -55,17 +58,26 @@ def backbone_dtype(config: Config, env: dict) -> str:
 
 def full_size_key(config: Config, env: dict):
     """What a config must differ in from every earlier one to run its own network in
-    CI's shorter path: its network and precision; under the cap, its precision alone
-    (the cap reaches oneDNN's kernels, which every IResNet depth shares)."""
+    CI's shorter path: its network and precision; under the cap, its precision and
+    whether it asks for 16 bits (the cap reaches oneDNN's kernels, which every IResNet
+    depth shares, and turns a 16-bit config's bfloat16 into float32)."""
     dtype = backbone_dtype(config, env)
-    return dtype if env else (config.network, dtype)
+    return (config.fp16, dtype) if env else (config.network, dtype)
+
+
+def order(config: Path) -> tuple:
+    """Which config comes first: by file name, and under the cap by network size first
+    (the cheapest runs what all of them would show)."""
+    return (BY_SIZE.index(load_config(config).network.replace("iresnet", "r")), config.name)
 
 
 def network_in_this_run(config: Path, env: dict) -> str:
     """The config's network, or in the shorter path `tiny` when an earlier config
     already runs at full size what this one would (full_size_key)."""
     written = load_config(config)
-    earlier = [load_config(other) for other in CONFIGS[:CONFIGS.index(config)]]
+    ahead = (lambda other: order(other) < order(config)) if env else \
+        (lambda other: other.name < config.name)
+    earlier = [load_config(other) for other in CONFIGS if ahead(other)]
     mine = full_size_key(written, env)
     if FULL_MATRIX or all(full_size_key(other, env) != mine for other in earlier):
         return written.network
