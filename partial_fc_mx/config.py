@@ -41,9 +41,11 @@ CPU_PRECISIONS = ("auto", "bfloat16", "float32")
 @dataclass
 class Config:
     # --- data ---
-    rec: str = ""
-    """Directory holding train.rec, train.idx and property (insightface layout), or
-    "random" for random tensors without decoding (speed runs)."""
+    rec: str | list = ""
+    """Directory holding train.rec, train.idx and property (insightface layout); a list
+    of them, trained as one dataset with each one's classes after the previous ones'
+    (num_classes: their sum; a person in two of them is two classes); or "random" for
+    random tensors without decoding (speed runs)."""
     num_classes: int = 0
     """Identities in the training set; must agree with `property` (the packer writes it)."""
     num_image: int = 0
@@ -187,6 +189,9 @@ class Config:
                      if not getattr(self, key) >= 0]
         if self.keep_checkpoints < 1:
             problems.append("keep_checkpoints must be >= 1")
+        if isinstance(self.rec, list) and not listed_datasets_valid(self.rec):
+            problems.append(f"rec={self.rec!r}: a list of datasets names one or more folders, "
+                            "each once (not 'random')")
         if 0 < self.heartbeat_timeout < 10:
             problems.append(f"heartbeat_timeout={self.heartbeat_timeout} must be 0 (off) or at "
                             "least 10 seconds (60 or more on NFS, whose caches lag)")
@@ -281,14 +286,25 @@ class Config:
                                        weight_decay=self.weight_decay)
 
     def val_paths(self) -> list[Path]:
-        """Paths of the verification sets, with bare names resolved inside `rec`."""
+        """Paths of the verification sets, with bare names resolved inside `rec` (the
+        first of its datasets that holds the name, else the first)."""
+        folders = [Path(folder) for folder in (self.rec if isinstance(self.rec, list)
+                                               else [self.rec])]
         paths = []
         for target in self.val_targets:
             path = Path(target)
             if path.suffix != ".bin":
-                path = Path(self.rec) / f"{target}.bin"
+                path = next((folder / f"{target}.bin" for folder in folders
+                             if (folder / f"{target}.bin").is_file()),
+                            folders[0] / f"{target}.bin")
             paths.append(path)
         return paths
+
+
+def listed_datasets_valid(folders: list) -> bool:
+    named = [folder for folder in folders if isinstance(folder, str) and folder
+             and folder != "random"]
+    return bool(folders) and len(named) == len(folders) == len(set(named))
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Config)}
@@ -394,6 +410,12 @@ def check_known(key: str, source: str) -> None:
 def coerce(key: str, value: object, source: str) -> object:
     """Convert to the field's type where that loses nothing; otherwise refuse."""
     expected = FIELD_TYPES[key]
+    if isinstance(expected, types.UnionType):  # `rec`: a folder or a list of them
+        value = list(value) if isinstance(value, tuple) else value
+        if isinstance(value, expected.__args__):
+            return value
+        kinds = " or ".join(kind.__name__ for kind in expected.__args__)
+        raise ConfigError(f"config key {key!r} from {source} must be {kinds}, got {value!r}")
     expected = typing.get_origin(expected) or expected
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import re
 import struct
 import sys
 from pathlib import Path
@@ -198,8 +199,8 @@ def test_corrupt_image_fails_or_is_skipped_and_counted(tmp_path):
     directory = pack_random(tmp_path / "rec", 4, 4)
     corrupt_record(directory, 7)
     loader = FaceLoader(RecordDataset(directory), 16, mirror=False)
-    with pytest.raises(DataError, match=r"records \[7\] hold images that cannot be decoded.*"
-                                        "skip_corrupt=True"):
+    with pytest.raises(DataError, match=r"cannot be decoded \(not a valid JPEG/PNG\): .*train"
+                                        r"\.rec: record 7\. .*skip_corrupt=True"):
         list(loader.epoch(0))
     skipping = FaceLoader(RecordDataset(directory), 16, mirror=False, skip_corrupt=True)
     batches = list(skipping.epoch(0))
@@ -354,7 +355,8 @@ def test_a_corrupt_record_on_one_rank_stops_every_rank_with_the_same_error(tmp_p
     assert result.returncode == 0, result.stdout[-3000:]
     messages = [(directory / f"error.rank{rank}").read_text() for rank in range(2)]
     assert messages[0] == messages[1]
-    assert "records [11] hold images that cannot be decoded" in messages[0]
+    assert re.search(r"cannot be decoded \(not a valid JPEG/PNG\): \S+train\.rec: record 11\.",
+                     messages[0]), messages[0]
 
 
 def test_ranks_whose_datasets_differ_stop_together_at_the_epoch_end(tmp_path):

@@ -60,7 +60,9 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
                            "(0: unrelated pictures; higher: harder to tell apart)")
     inspect = commands.add_parser("inspect", help="counts, header consistency, corrupt records")
     inspect.set_defaults(func=inspect_command)
-    inspect.add_argument("directory")
+    inspect.add_argument("directories", nargs="+", metavar="directory",
+                         help="a dataset; several: as a config's `rec` list trains them, "
+                              "one after the other in one label space")
     inspect.add_argument("--scan", action="store_true", help="decode every image")
 
 
@@ -132,10 +134,13 @@ def pack_synthetic_command(args: argparse.Namespace) -> int:
 
 
 def inspect_command(args: argparse.Namespace) -> int:
-    from ..prep.inspect import format_report, inspect_dataset
+    from ..prep.inspect import format_joined, format_report, inspect_dataset
 
-    found = inspect_dataset(args.directory, scan=args.scan)
-    print(format_report(args.directory, found))
-    return 1 if found.problems else 0
+    found = [inspect_dataset(directory, scan=args.scan) for directory in args.directories]
+    for directory, report in zip(args.directories, found):
+        print(format_report(directory, report))
+    if len(found) > 1:
+        print(format_joined(args.directories, found))
+    return 1 if any(report.problems for report in found) else 0
 
 

@@ -27,6 +27,7 @@ import numpy as np
 from .. import dist
 from . import DataError
 from .augment import Augmentation
+from .joined import JoinedDataset
 from .network_input import to_network_input
 from .recordio import RecordDataset, valid_class_ids
 from .transforms import FACE_SIZE, decode_face, decode_in_workers
@@ -52,7 +53,7 @@ class LoaderStats:
 class FaceLoader:
     def __init__(
         self,
-        dataset: RecordDataset,
+        dataset: RecordDataset | JoinedDataset,
         batch_size: int,
         *,
         rank: int = 0,
@@ -74,7 +75,7 @@ class FaceLoader:
         self.global_batch = batch_size * world_size
         self.steps_per_epoch = self.num_images // self.global_batch
         if self.steps_per_epoch == 0:
-            raise DataError(f"{dataset.records.rec_path} has {len(dataset)} images, fewer than "
+            raise DataError(f"{describe(dataset)} has {len(dataset)} images, fewer than "
                             f"one global batch ({batch_size} x {world_size} processes); lower "
                             "batch_size or add data")
         self.stats = LoaderStats()
@@ -163,14 +164,13 @@ class FaceLoader:
         self.stats.resized += sum(resized for _, resized in done)
         bad_rows = [row for rows, _ in done for row in rows]
         corrupt = [int(ids[row]) for row in bad_rows]
+        named = "; ".join(self.dataset.records.where(record_id) for record_id in corrupt)
         if corrupt and (not self.skip_corrupt or len(corrupt) == len(ids)):
-            raise DataError(f"{self.dataset.records.rec_path}: records {corrupt} hold images that "
-                            "cannot be decoded (not a valid JPEG/PNG). Re-pack the data, or set "
-                            "skip_corrupt=True to train on the rest")
+            raise DataError(f"images that cannot be decoded (not a valid JPEG/PNG): {named}. "
+                            "Re-pack the data, or set skip_corrupt=True to train on the rest")
         if corrupt:  # repeat good samples of this batch in their place
             self.stats.skipped += corrupt
-            log.warning("skipped corrupt records %s of %s (replaced within the batch)",
-                        corrupt, self.dataset.records.rec_path)
+            log.warning("skipped corrupt images (replaced within the batch): %s", named)
             good_rows = np.setdiff1d(np.arange(len(ids)), bad_rows)
             for k, row in enumerate(bad_rows):
                 source = good_rows[k % len(good_rows)]
@@ -187,16 +187,16 @@ class FaceLoader:
             record = self.dataset.records.read(record_id)
             label = record.label
             if not valid_class_ids(label, self.dataset.num_classes):
-                raise DataError(f"{self.dataset.records.rec_path}: record {record_id} has label "
-                                f"{label}, outside the classes 0..{self.dataset.num_classes - 1}"
-                                ". Fix num_classes (and the property file) or re-pack")
+                raise DataError(f"{self.dataset.records.where(record_id)} has label {label}, "
+                                f"outside the classes 0..{self.dataset.num_classes - 1}. Fix "
+                                "num_classes (and the property file) or re-pack")
             image, was_resized = decode_face(record.image, bool(mirrors[row]))
             if image is None:
                 corrupt.append(row)
                 continue
             if was_resized and self.stats.resized + resized == 0:
-                log.warning("%s: record %d is not %dx%d; resizing (counted in loader.stats)",
-                            self.dataset.records.rec_path, record_id, FACE_SIZE, FACE_SIZE)
+                log.warning("%s is not %dx%d; resizing (counted in loader.stats)",
+                            self.dataset.records.where(record_id), FACE_SIZE, FACE_SIZE)
             if self.augment:
                 epoch, positions = where
                 image = self.augment(image, np.random.default_rng(
@@ -204,6 +204,12 @@ class FaceLoader:
             images[row], labels[row] = image, int(label)
             resized += was_resized
         return corrupt, resized
+
+
+def describe(dataset: RecordDataset | JoinedDataset) -> str:
+    """The dataset's files as messages name them."""
+    parts = getattr(dataset, "parts", [dataset])
+    return " + ".join(str(part.records.rec_path) for part in parts)
 
 
 def in_step(batches: Iterator[Batch]) -> Iterator[Batch]:

@@ -93,6 +93,10 @@ class RecordFile:
                             f"{offset}: {error}. Check the disk or copy the file again"
                             ) from error
 
+    def where(self, record_id: int) -> str:
+        """A record as messages name it."""
+        return f"{self.rec_path}: record {record_id}"
+
     def read(self, record_id: int) -> Record:
         header, image = self.unpack(record_id)
         label = header.label if np.isscalar(header.label) else header.label[0]

@@ -22,6 +22,8 @@ class InspectReport:
     classes: int = 0
     per_class: tuple = (0, 0, 0)
     """Images per class: min, median, max."""
+    property_classes: int = 0
+    """The class count its property file states (the ids its labels may take)."""
     has_header: bool = False
     header: str = "no (im2rec)"
     resized: int = 0
@@ -31,8 +33,8 @@ class InspectReport:
 
 def inspect_dataset(directory: str, scan: bool = False, workers: int = 4) -> InspectReport:
     dataset = RecordDataset(directory)
-    report = InspectReport(images=len(dataset), has_header=dataset.has_header,
-                           header=header_summary(dataset))
+    report = InspectReport(images=len(dataset), property_classes=dataset.num_classes,
+                           has_header=dataset.has_header, header=header_summary(dataset))
 
     def examine(record_id) -> tuple:
         """(label, decoded, resized) of one record: the file is read once per record."""
@@ -108,6 +110,17 @@ def header_summary(dataset: RecordDataset) -> str:
     return (f"yes (insightface layout); {len(dataset):,} images counted in the index: the "
             f"header's float32 stores {dataset.header_images:,.0f}, which is that count "
             "rounded to float32 (exact only below 2^24 = 16,777,216)")
+
+
+def format_joined(directories: list[str], reports: list[InspectReport]) -> str:
+    """What training them as one (`rec` a list, data/joined.py) gives: the sum, and the
+    class ids each one's classes take. A person in two of them is two classes."""
+    start, lines = 0, []
+    for directory, report in zip(directories, reports):
+        lines.append(f"  {directory}: classes {start}..{start + report.property_classes - 1}")
+        start += report.property_classes
+    return "\n".join([f"together (rec = {directories!r}): "
+                      f"{sum(r.images for r in reports)} images, num_classes = {start}", *lines])
 
 
 def format_report(directory: str, report: InspectReport) -> str:

@@ -1,5 +1,6 @@
 """Where a run's images come from, chosen by config `rec`: an indexed RecordIO
-directory, or "random" tensors (speed runs, no files). The trainer and the
+directory, a list of them trained as one (data/joined.py), or "random" tensors (speed
+runs, no files). The trainer and the
 preflight open the data through these two functions, so the preflight checks
 exactly what training will read."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from ..data.joined import JoinedDataset
 from ..data.loader import FaceLoader, RandomLoader
 from ..data.recordio import RecordDataset
 
@@ -18,11 +20,13 @@ if TYPE_CHECKING:
 RANDOM = "random"
 
 
-def open_dataset(config: Config) -> RecordDataset | None:
-    """The dataset `rec` names (a DataError naming the file when it cannot be read);
-    None for random tensors."""
+def open_dataset(config: Config) -> RecordDataset | JoinedDataset | None:
+    """The dataset `rec` names, or the datasets it lists, joined (a DataError naming the
+    file when one cannot be read); None for random tensors."""
     if config.rec == RANDOM:
         return None
+    if isinstance(config.rec, list):
+        return JoinedDataset(config.rec, config.num_classes)
     return RecordDataset(config.rec, config.num_classes)
 
 

@@ -200,10 +200,11 @@ def dataset_disagreement_across_ranks(fingerprint: dict | None) -> str | None:
     copies = dist.allgather_object((socket.gethostname(), fingerprint), name="dataset.copies")
     groups: dict[str, list[str]] = {}
     for rank, (host, copy) in enumerate(copies):
-        if copy is not None:
-            described = (f"{copy['records']} records, train.idx of {copy['bytes']} bytes "
-                         f"with CRC-32 {copy['crc32']:08x}, train.rec of "
-                         f"{copy['rec_bytes']} bytes")
+        if copy is not None:  # a joined dataset's: each of its datasets'
+            described = " + ".join(
+                f"{part['records']} records, train.idx of {part['bytes']} bytes with CRC-32 "
+                f"{part['crc32']:08x}, train.rec of {part['rec_bytes']} bytes"
+                for part in copy.get("datasets", [copy]))
             groups.setdefault(described, []).append(f"{rank} ({host})")
     if len(groups) < 2:
         return None
