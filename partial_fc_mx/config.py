@@ -47,11 +47,13 @@ class Config:
     (num_classes: their sum; a person in two of them is two classes); or "random" for
     random tensors without decoding (speed runs)."""
     num_classes: int = 0
-    """Identities in the training set; must agree with `property` (the packer writes it)."""
+    """Identities in the training set; must agree with `property` (the packer writes it),
+    for a `rec` list with the sum of its datasets'."""
     num_image: int = 0
     """Images in the training set; 0 means count them from train.idx."""
     val_targets: list = field(default_factory=list)
-    """Verification sets: names looked up as <rec>/<name>.bin, or paths to .bin files."""
+    """Verification sets: names looked up as <rec>/<name>.bin (in each folder of a `rec`
+    list, the first that has it), or paths to .bin files."""
     num_workers: int = 0
     """Decode threads per process; 0: the host's cores shared by its processes, at least
     2 (a GPU consumes batches faster than 2 threads decode them)."""
@@ -298,12 +300,17 @@ class Config:
                              if (folder / f"{target}.bin").is_file()),
                             folders[0] / f"{target}.bin")
             paths.append(path)
+        names = [path.stem for path in paths]
+        if len(set(names)) < len(names):  # the validator keys each set's results by it
+            raise ConfigError(f"val_targets {self.val_targets} name two sets of the same file "
+                              f"name ({names}); give each its own name")
         return paths
 
 
 def listed_datasets_valid(folders: list) -> bool:
-    named = [folder for folder in folders if isinstance(folder, str) and folder
-             and folder != "random"]
+    """One or more folders, none named twice (however spelled), none "random"."""
+    named = [os.path.realpath(folder) for folder in folders
+             if isinstance(folder, str) and folder and folder != "random"]
     return bool(folders) and len(named) == len(folders) == len(set(named))
 
 
@@ -412,6 +419,10 @@ def coerce(key: str, value: object, source: str) -> object:
     expected = FIELD_TYPES[key]
     if isinstance(expected, types.UnionType):  # `rec`: a folder or a list of them
         value = list(value) if isinstance(value, tuple) else value
+        if isinstance(value, str) and value.lstrip().startswith(("[", "(")):
+            raise ConfigError(f"config key {key!r} from {source} reads {value!r}, a list "
+                              "whose quotes the shell took away: quote the whole word, "
+                              """e.g. 'rec=["data/a", "data/b"]'""")
         if isinstance(value, expected.__args__):
             return value
         kinds = " or ".join(kind.__name__ for kind in expected.__args__)

@@ -31,6 +31,7 @@ from . import dist
 from .config import Config
 from .data import DataError
 from .data.device import on_device
+from .data.joined import JoinedDataset
 from .data.loader import Batch, FaceLoader, RandomLoader, in_step
 from .data.recordio import RecordDataset
 from .errors import UserError
@@ -213,7 +214,7 @@ def start(config: Config, resume_from: str | None, load_from: str | None) -> Run
             dataset.records.fingerprint() if dataset is not None else None):
         raise dist.agreed(DataError(problem))
     state, notes = restore(config, world, ctx, work_dir, net, trainer, pfc, validator,
-                           resume_from, load_from)
+                           resume_from, load_from, composition(dataset))
     dist.broadcast_parameters(net.collect_params(), root_rank=0)
     schedule = Schedule.of(loader.num_images, state.reference_batch, config.num_epoch,
                            config.max_steps, config.warmup_epoch, config.lr_steps,
@@ -292,9 +293,15 @@ def make_trainer(config: Config, net) -> mx.gluon.Trainer:
                                   {**options, "momentum": config.momentum})
 
 
+def composition(dataset) -> list | None:
+    """The datasets of a `rec` list as checkpoints keep them (None for one dataset)."""
+    return dataset.composition() if isinstance(dataset, JoinedDataset) else None
+
+
 def restore(config: Config, world: dist.World, ctx: mx.Context, work_dir: Path, net, trainer,
             pfc: PartialFC, validator: Validator, resume_from: str | None,
-            load_from: str | None) -> tuple[TrainState, list[str]]:
+            load_from: str | None, datasets: list | None = None
+            ) -> tuple[TrainState, list[str]]:
     """The state to start from and notes for the log: a checkpoint's (--resume-from),
     or step 0, with a checkpoint's weights (--load-from) or fresh ones. Checkpoints in
     work_dir past that step belong to another run (or an abandoned future): moved aside."""
@@ -307,7 +314,7 @@ def restore(config: Config, world: dist.World, ctx: mx.Context, work_dir: Path, 
             if not resume_from:
                 checkpoint.load_weights(path, net, pfc, ctx)
                 return state
-            return checkpoint.resume(path, net, trainer, pfc, validator, world, ctx)
+            return checkpoint.resume(path, net, trainer, pfc, validator, world, ctx, datasets)
 
         state = dist.run_agreed(load, "restore", (CheckpointError, OptimizerStateError),
                                 CheckpointError, f"cannot load {path}")
@@ -365,7 +372,8 @@ def save(run: Run, export: bool = True, last: bool = False) -> None:
     run.state.loss_scale = run.scaler.scale
     start_time = time.time()
     path = checkpoint.save(run.work_dir, run.state, run.net, run.trainer, run.pfc,
-                           run.validator, run.world, run.config.keep_checkpoints)
+                           run.validator, run.world, run.config.keep_checkpoints,
+                           composition(run.dataset))
     exporting = ("; backbone.onnx of it (or of a later save) follows in the background"
                  if export and not last else "")
     run.log.info(f"saved checkpoint {path} in {time.time() - start_time:.1f} s{exporting}")

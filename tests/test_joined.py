@@ -54,6 +54,43 @@ def test_the_class_count_must_be_the_sum_and_each_datasets_labels_stay_its_own(t
         list(FaceLoader(joined, 4, mirror=False).epoch(0))
 
 
+def im2rec_dataset(directory: Path, keys: list[int], classes: int | None) -> Path:
+    """As MXNet's im2rec writes one: no header record, keys as given (labels cycle over
+    `classes`, or 3), and a property file only when `classes` is given."""
+    import mxnet as mx
+    from test_data import random_face
+
+    from partial_fc_mx.data.transforms import encode_jpeg
+
+    directory.mkdir(parents=True)
+    rng = np.random.default_rng(4)
+    writer = mx.recordio.MXIndexedRecordIO(str(directory / "train.idx"),
+                                           str(directory / "train.rec"), "w")
+    for n, key in enumerate(keys):
+        header = mx.recordio.IRHeader(0, float(n % (classes or 3)), key, 0)
+        writer.write_idx(key, mx.recordio.pack(header, encode_jpeg(random_face(rng))))
+    writer.close()
+    if classes:
+        (directory / "property").write_text(f"{classes},112,112")
+    return directory
+
+
+def test_a_dataset_without_header_joins_and_each_needs_its_class_count(tmp_path):
+    first = pack_random(tmp_path / "first", 12, 3, seed=1)
+    plain = im2rec_dataset(tmp_path / "plain", list(range(6)), classes=3)
+    joined = JoinedDataset([first, plain])
+    labels = [joined.records.read(int(i)).label for i in joined.record_ids(np.arange(36, 42))]
+    assert labels == [12.0, 13.0, 14.0, 12.0, 13.0, 14.0]
+    unstated = im2rec_dataset(tmp_path / "unstated", list(range(6)), classes=None)
+    with pytest.raises(DataError, match=r"unstated/property is missing: each dataset of a `rec` "
+                                        r"list states its class count there"):
+        JoinedDataset([first, unstated])
+    far = im2rec_dataset(tmp_path / "far", [0, 1 << 40], classes=3)
+    with pytest.raises(DataError, match=r"far/train\.idx has record ids 0\.\.1099511627776, "
+                                        r"beyond 0\.\.2\^40 - 1"):
+        JoinedDataset([first, far])
+
+
 def test_a_corrupt_image_is_named_by_its_own_file_and_record(tmp_path):
     first, second = two_datasets(tmp_path)
     corrupt_record(second, 5)
@@ -68,10 +105,18 @@ def test_a_config_lists_datasets_and_finds_verification_sets_in_them(tmp_path):
     config = load_config(path, [f"rec=[{str(first)!r}, {str(second)!r}]"])
     assert config.rec == [str(first), str(second)]
     assert config.val_paths() == [second / "own.bin"]
-    for bad in ("[]", f"[{str(first)!r}, {str(first)!r}]", "['random']", "[3]"):
+    for bad in ("[]", f"[{str(first)!r}, {str(first) + '/.'!r}]", "['random']", "[3]"):
         with pytest.raises(ConfigError, match=r"rec=.*: a list of datasets names one or more "
                                               r"folders, each once"):
             load_config(path, [f"rec={bad}"])
+    with pytest.raises(ConfigError, match=r"a list whose quotes the shell took away: quote the "
+                                          r"whole word"):
+        load_config(path, [f"rec=[{first},{second}]"])  # what bash leaves of rec=['a','b']
+    (first / "own.bin").write_bytes(b"")
+    twice = load_config(path, [f"rec=[{str(first)!r}, {str(second)!r}]",
+                               f"val_targets=['own', {str(second / 'own.bin')!r}]"])
+    with pytest.raises(ConfigError, match=r"name two sets of the same file name"):
+        twice.val_paths()
 
 
 def test_inspect_shows_each_dataset_and_what_they_are_together(tmp_path):
@@ -103,6 +148,12 @@ def test_two_datasets_train_save_and_resume_on_another_number_of_processes(tmp_p
         "num_classes"] == 120
     resumed = mpirun(3, train_args(config, work, rec, "--resume-from", str(work)))
     assert resumed.returncode == 0, resumed.stdout[-3000:]
+    reordered = f"rec=[{str(small)!r}, {str(big)!r}]"  # the same sum, other class ids
+    refused = mpirun(2, train_args(config, work, reordered, "--resume-from", str(work)))
+    assert refused.returncode == 1
+    assert re.search(r"was trained on \S+big \(80 classes, 480 images\) \+ \S+small \(40 "
+                     r"classes, 240 images\); this run's rec is \S+small .*: its class ids "
+                     r"would stand for other people", refused.stdout), refused.stdout[-3000:]
     log = logged(work)
     assert f"resuming from {work / 'checkpoints' / 'step_000010'}" in log["text"]
     assert f"training tiny on {[str(big), str(small)]}: 120 classes" in log["text"]

@@ -136,9 +136,10 @@ def pack_synthetic_command(args: argparse.Namespace) -> int:
 def inspect_command(args: argparse.Namespace) -> int:
     from ..prep.inspect import format_joined, format_report, inspect_dataset
 
-    found = [inspect_dataset(directory, scan=args.scan) for directory in args.directories]
-    for directory, report in zip(args.directories, found):
-        print(format_report(directory, report))
+    found = []
+    for directory in args.directories:  # each printed as soon as it is known
+        found.append(inspect_dataset(directory, scan=args.scan))
+        print(format_report(directory, found[-1]), flush=True)
     if len(found) > 1:
         print(format_joined(args.directories, found))
     return 1 if any(report.problems for report in found) else 0

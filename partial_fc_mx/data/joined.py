@@ -13,6 +13,7 @@ out).
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 
@@ -34,6 +35,9 @@ class JoinedRecords:
     def split(self, record_id: int) -> tuple[RecordDataset, int, int]:
         """(the dataset, its own record id, its class offset)."""
         place = record_id >> ID_BITS
+        if not 0 <= place < len(self.parts):
+            raise DataError(f"record id {record_id} names none of the {len(self.parts)} "
+                            "datasets of `rec`")
         return self.parts[place], record_id & ((1 << ID_BITS) - 1), self.class_offsets[place]
 
     def read(self, record_id: int) -> Record:
@@ -50,7 +54,10 @@ class JoinedRecords:
         return part.records.where(own)
 
     def fingerprint(self) -> dict:
-        return {"datasets": [part.records.fingerprint() for part in self.parts]}
+        """Each dataset's (with its class count: hosts whose property files split the
+        classes otherwise would give the same label different meanings)."""
+        return {"datasets": [{**part.records.fingerprint(), "classes": part.num_classes}
+                             for part in self.parts]}
 
 
 class JoinedDataset:
@@ -58,7 +65,7 @@ class JoinedDataset:
 
     def __init__(self, directories: list[str | os.PathLike],
                  num_classes: int | None = None) -> None:
-        self.parts = [RecordDataset(directory) for directory in directories]
+        self.parts = [open_part(directory) for directory in directories]
         counts = [part.num_classes for part in self.parts]
         self.num_classes = sum(counts)
         if num_classes is not None and num_classes != self.num_classes:
@@ -75,15 +82,39 @@ class JoinedDataset:
     def __len__(self) -> int:
         return self.num_images
 
+    def composition(self) -> list[dict]:
+        """Each dataset's folder, classes and images, in order: what checkpoints keep,
+        so that a resume with the list reordered or changed is refused."""
+        return [{"rec": str(part.directory), "classes": part.num_classes, "images": len(part)}
+                for part in self.parts]
+
     def record_ids(self, positions: np.ndarray) -> np.ndarray:
         """The joined record ids of the images at `positions` (0 .. len(self) - 1): the
         first dataset's images, then the second's, ..."""
         positions = np.asarray(positions, np.int64)
         place = np.searchsorted(self.image_starts, positions, side="right") - 1
-        ids = np.empty(positions.shape, np.int64)
+        ids = np.full(positions.shape, -1, np.int64)
         for index, part in enumerate(self.parts):
             mine = place == index
             if mine.any():
                 own = part.record_ids(positions[mine] - self.image_starts[index])
                 ids[mine] = (np.int64(index) << ID_BITS) | np.asarray(own, np.int64)
+        if (ids < 0).any():
+            raise DataError(f"positions beyond the {self.num_images} images of `rec`")
         return ids
+
+
+def open_part(directory: str | os.PathLike) -> RecordDataset:
+    """One dataset of the list: it must state its class count in `property` (which
+    places the next one's classes), and its record ids must fit a joined id."""
+    if not (Path(directory) / "property").is_file():
+        raise DataError(f"{Path(directory).absolute() / 'property'} is missing: each dataset "
+                        "of a `rec` list states its class count there ('num_classes,112,112',"
+                        " as pack writes it), which places the next dataset's classes")
+    part = RecordDataset(directory)
+    keys = part.records.offsets.keys
+    if len(keys) and not 0 <= int(keys[0]) <= int(keys[-1]) < 1 << ID_BITS:
+        raise DataError(f"{part.records.idx_path} has record ids {int(keys[0])}..{int(keys[-1])}"
+                        f", beyond 0..2^{ID_BITS} - 1, which a dataset of a `rec` list must keep "
+                        "to; re-pack it")
+    return part

@@ -131,9 +131,11 @@ def plain_name(name) -> str:
 
 # ----- saving -----
 def save(work_dir: Path, state: TrainState, net, trainer, pfc: PartialFC,
-         validator: Validator, world: dist.World, keep: int) -> Path:
+         validator: Validator, world: dist.World, keep: int,
+         datasets: list | None = None) -> Path:
     """Write a checkpoint of `state` on every rank; returns its directory. Any rank's
-    failure (a full disk, a non-finite weight) is raised on every rank."""
+    failure (a full disk, a non-finite weight) is raised on every rank. `datasets`: the
+    composition of a `rec` list (data/joined.py), which a resume must repeat."""
     pfc.centers.bring_all_current()  # the exact update: the rows a dense run would save
     settle()
     refuse_non_finite(net, pfc, state.step, work_dir)
@@ -162,6 +164,7 @@ def save(work_dir: Path, state: TrainState, net, trainer, pfc: PartialFC,
                 "center_update": pfc.center_update,
                 "center_states": pfc.centers.state_names(),
                 "validator": validator.state_dict(),
+                **({"datasets": datasets} if datasets else {}),
                 "files": dict(sorted(table.items()))}
         durable.write_file(partial / META, lambda f: f.write(json.dumps(meta, indent=1)
                                                              .encode()))
@@ -516,10 +519,11 @@ def saved_rows(path: Path, shape: tuple) -> np.ndarray:
 
 
 def resume(checkpoint: Path, net, trainer, pfc: PartialFC, validator: Validator,
-           world: dist.World, ctx: mx.Context) -> TrainState:
+           world: dist.World, ctx: mx.Context, datasets: list | None = None) -> TrainState:
     """Everything back as it was saved; the sampler continues its stream when the world
     size is unchanged, else each rank starts a fresh stream from (seed, rank, step)."""
     meta = read_meta(checkpoint, pfc)
+    refuse_other_datasets(checkpoint, meta.get("datasets"), datasets)
     load_parameters(net, checkpoint / BACKBONE, ctx)
     load_trainer_state(trainer, checkpoint / OPTIMIZER, ctx)
     state = TrainState(**{f.name: meta[f.name] for f in dataclasses.fields(TrainState)})
@@ -535,6 +539,24 @@ def resume(checkpoint: Path, net, trainer, pfc: PartialFC, validator: Validator,
     if not same_world:
         pfc.centers.restart_sampler(pfc.seed, world.rank, state.step)
     return state
+
+
+def refuse_other_datasets(checkpoint: Path, saved: list | None, now: list | None) -> None:
+    """A resume must read the datasets of a `rec` list as the run it continues did: in
+    another order, or with another one in the list, the same class ids would stand for
+    other people (the sum alone may agree)."""
+    def counts(listing: list | None) -> list | None:
+        return [(d["classes"], d["images"]) for d in listing] if listing else None
+
+    def described(listing: list | None) -> str:
+        return (" + ".join(f"{d['rec']} ({d['classes']} classes, {d['images']} images)"
+                           for d in listing) if listing else "one dataset")
+
+    if counts(saved) != counts(now):
+        raise CheckpointError(
+            f"{checkpoint} was trained on {described(saved)}; this run's rec is "
+            f"{described(now)}: its class ids would stand for other people. Resume with "
+            "the same datasets in the same order")
 
 
 def load_weights(checkpoint: Path, net, pfc: PartialFC, ctx: mx.Context) -> None:

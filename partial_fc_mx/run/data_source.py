@@ -31,7 +31,7 @@ def open_dataset(config: Config) -> RecordDataset | JoinedDataset | None:
 
 
 def make_loader(config: Config, world: World,
-                dataset: RecordDataset | None) -> FaceLoader | RandomLoader:
+                dataset: RecordDataset | JoinedDataset | None) -> FaceLoader | RandomLoader:
     """This rank's loader over `dataset` (from open_dataset)."""
     if dataset is None:
         global_batch = config.batch_size * world.size
