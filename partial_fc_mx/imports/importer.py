@@ -92,12 +92,17 @@ def parity(net, source: Source, mapping: Mapping, seed: int) -> float:
     MIN_COSINE, the error names the first layer that differs."""
     pixels = np.random.default_rng(seed).uniform(0, 255, (PARITY_IMAGES, 3, FACE_SIZE,
                                                           FACE_SIZE)).astype(np.float32)
-    ours = net(mx.nd.array((pixels - PIXEL_MEAN) * PIXEL_SCALE)).asnumpy()
+    ours = net(normalized_pixels(pixels)).asnumpy()
     theirs = source.run(pixels, [])[""]
     worst = float(cosines(ours, theirs).min())
     if not worst >= MIN_COSINE:
         raise BackboneImportError(first_difference(net, source, mapping, pixels, worst))
     return worst
+
+
+def normalized_pixels(pixels: np.ndarray) -> mx.nd.NDArray:
+    """N x 3 x H x W float pixels as our networks take them (data/network_input.py)."""
+    return mx.nd.array((pixels - PIXEL_MEAN) * PIXEL_SCALE)
 
 
 def first_difference(net, source: Source, mapping: Mapping, pixels: np.ndarray,
@@ -106,7 +111,7 @@ def first_difference(net, source: Source, mapping: Mapping, pixels: np.ndarray,
     outputs: dict[str, np.ndarray] = {}
     with forward_hooks(net, [name for name, _ in mapping.checkpoints],
                        lambda name, inputs, output: outputs.__setitem__(name, output.asnumpy())):
-        net(mx.nd.array((pixels - PIXEL_MEAN) * PIXEL_SCALE))
+        net(normalized_pixels(pixels))
     theirs = source.run(pixels, [tensor for _, tensor in mapping.checkpoints])
     for name, tensor in mapping.checkpoints:
         agreement = float(cosines(outputs[name], theirs[tensor]).min())

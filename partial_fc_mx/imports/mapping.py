@@ -154,8 +154,8 @@ def set_norm(block: nn.BatchNorm, layer: Norm, source: Source, position: int,
                            "a scale <= 0 where ours is fixed at 1")
         var = var / gamma ** 2
     expect(block.beta, layer.beta, source, position, layer, name)
-    put(block.running_mean, layer.mean.astype(np.float32))
-    put(block.running_var, np.maximum(var - eps, 0).astype(np.float32))
+    put(block.running_mean, layer.mean)
+    put(block.running_var, np.maximum(var - eps, 0))
 
 
 def set_dense(block: nn.Dense, layer: Dense, source: Source, position: int, name: str) -> None:
@@ -173,7 +173,7 @@ def identity_with_bias(block: nn.BatchNorm, bias: np.ndarray) -> None:
     eps = block._kwargs["eps"]
     channels = len(bias)
     put(block.gamma, np.ones(channels, np.float32))
-    put(block.beta, bias.astype(np.float32))
+    put(block.beta, bias)
     put(block.running_mean, np.zeros(channels, np.float32))
     put(block.running_var, np.full(channels, 1 - eps, np.float32))
 
