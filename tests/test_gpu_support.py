@@ -175,22 +175,52 @@ def with_gpus(fake_driver: Path, tmp_path: Path, *gpus: str) -> dict:
             "PFC_CACHE_DIR": str(tmp_path / "cache")}
 
 
-@pytest.fixture
-def gpu_wheel_without_cuda(tmp_path) -> Path:
-    """An installed mxnet-cu117 as it is on a machine without the CUDA 11 libraries:
-    its libmxnet.so (here: the wheel's fatbinary layout) is there, `import mxnet` fails."""
-    site = tmp_path / "site"
+def installed_mxnet(site: Path, name: str, version: str, *fatbinaries: bytes) -> Path:
+    """An installed MXNet as it is on a machine without its CUDA libraries: its
+    libmxnet.so holding `fatbinaries` is there, `import mxnet` fails."""
     (site / "mxnet").mkdir(parents=True)
     (site / "mxnet" / "__init__.py").write_text(
         "raise OSError('libcudart.so.11.0: cannot open shared object file: "
         "No such file or directory')\n")
     shutil.copy(REAL_MXNET / "libinfo.py", site / "mxnet")  # how mxnet finds its library
-    cu117 = container(*(image(SASS, arch, b"k" * 40) for arch in CU117.sass))
-    write_library(site / "mxnet" / "libmxnet.so", cu117, cu117)
-    (site / "mxnet_cu117-1.9.1.dist-info").mkdir()
-    (site / "mxnet_cu117-1.9.1.dist-info" / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: mxnet-cu117\nVersion: 1.9.1\n")
+    write_library(site / "mxnet" / "libmxnet.so", *fatbinaries)
+    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
     return site
+
+
+@pytest.fixture
+def gpu_wheel_without_cuda(tmp_path) -> Path:
+    """mxnet-cu117 from PyPI (here: the wheel's fatbinary layout)."""
+    cu117 = container(*(image(SASS, arch, b"k" * 40) for arch in CU117.sass))
+    return installed_mxnet(tmp_path / "site", "mxnet-cu117", "1.9.1", cu117, cu117)
+
+
+def test_a_preinstalled_build_with_hopper_code_is_judged_by_its_own_library(
+        fake_driver, tmp_path):
+    """MXNET_PACKAGE=preinstalled (an NGC container's MXNet, built from source): the
+    verdict reads what its library holds, as for the wheels: sm_90 SASS runs on an H100,
+    compute_90 PTX on a newer GPU, and the build is named by its own distribution."""
+    hopper = container(image(SASS, 80, b"a" * 40), image(SASS, 90, b"h" * 40),
+                       image(PTX, 90, b".version 8.4", header_size=80))
+    site = installed_mxnet(tmp_path / "site", "mxnet", "1.9.1", hopper, hopper, hopper)
+    env = {**with_gpus(fake_driver, tmp_path, H100, "NVIDIA B200=10.0", A100),
+           "PYTHONPATH": str(site)}
+    result = run(python_module("gpus"), env=env, timeout=60)
+    assert result.returncode == 0, result.stdout
+    assert result.stdout.splitlines() == [
+        "GPU 0 (NVIDIA H100 80GB HBM3, compute capability 9.0): supported (SASS)",
+        "GPU 1 (NVIDIA B200, compute capability 10.0): supported through PTX that the driver "
+        "compiles at the first start (minutes; kept in ~/.nv/ComputeCache)",
+        "GPU 2 (NVIDIA A100-SXM4-40GB, compute capability 8.0): supported (SASS)"]
+    ampere_only = installed_mxnet(tmp_path / "ampere", "mxnet", "1.9.1",
+                                  container(image(SASS, 80, b"a" * 40)))
+    refused = run(python_module("gpus"), timeout=60,
+                  env={**env, "PYTHONPATH": str(ampere_only)})
+    assert refused.returncode == 3
+    assert f"mxnet 1.9.1 ({ampere_only / 'mxnet' / 'libmxnet.so'}) has SASS for sm_80; PTX " \
+        "for none" in refused.stdout
 
 
 def test_a_wheel_is_judged_before_it_is_installed(fake_driver, tmp_path):

@@ -1,11 +1,18 @@
-"""What install.sh says when it is done: the Horovod build by section, each mark once."""
+"""install.sh: what it says when it is done (the Horovod build by section, each mark
+once), and MXNET_PACKAGE=preinstalled against an MXNet in the system python3's own site
+folder (a mount namespace's overlay of it, as root)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from conftest import BIN
+
+from partial_fc_mx.caches import default_cache_dir
 
 REPO = Path(__file__).resolve().parent.parent
 CHECK_BUILD = """Horovod v0.28.1:
@@ -49,3 +56,119 @@ def test_the_closing_line_names_each_part_of_the_build_once(tmp_path, nccl, oper
 
 def test_a_check_build_without_the_marks_is_a_failure(tmp_path):
     assert summary(tmp_path, "error: no horovod\n").returncode != 0
+
+
+# ----- MXNET_PACKAGE=preinstalled: an MXNet the system's python3 already has -----
+SYSTEM_PATH = os.pathsep.join(d for d in os.environ["PATH"].split(os.pathsep) if Path(d) != BIN)
+IN_A_MOUNT_NAMESPACE = """set -euo pipefail
+mount --make-rprivate /
+# the system python3's site folders, as copies only this namespace sees
+n=0
+for site in $(python3 -c 'import site; print(" ".join(site.getsitepackages()))'); do
+  [ -d "$site" ] || continue
+  n=$((n + 1)); mkdir -p "$WORK/upper$n" "$WORK/work$n"
+  mount -t overlay overlay -o "lowerdir=$site,upperdir=$WORK/upper$n,workdir=$WORK/work$n" "$site"
+done
+system_pip() { "$PROJECT_PYTHON" -m pip --python "$(command -v python3)" install -q \\
+  --break-system-packages "$@"; }
+"""
+
+
+def horovod_wheel() -> Path:
+    """The Horovod wheel install.sh built for this venv's MXNet: a system Horovod with
+    MXNet support, as an NGC container has one."""
+    wheels = sorted((default_cache_dir() / "wheels").glob(
+        f"horovod-*_mxnet-1.9.1_cp{sys.version_info[0]}{sys.version_info[1]}_*_gpu-none/*.whl"))
+    assert wheels, "no Horovod wheel in the cache: run bash setup-utils/install.sh first"
+    return wheels[0]
+
+
+def as_the_system(tmp_path: Path, script: str, timeout: float) -> subprocess.CompletedProcess:
+    """`script` in a mount namespace of its own in which the system python3's packages
+    are whatever `system_pip` installs there (overlays, gone with the namespace)."""
+    env = {**os.environ, "PATH": SYSTEM_PATH, "WORK": str(tmp_path), "REPO": str(REPO),
+           "PROJECT_PYTHON": str(BIN / "python"), "HOROVOD_WHEEL": str(horovod_wheel())}
+    return subprocess.run(["unshare", "--mount", "bash", "-c", IN_A_MOUNT_NAMESPACE + script],
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=timeout)
+
+
+def test_preinstalled_mxnet_is_used_as_it_is_and_check_passes(tmp_path):
+    """The NGC route on a CPU: MXNet 1.9.1, numpy and a Horovod with MXNet support in the
+    system python3's own site folder; install.sh makes a venv that uses them, installs
+    our other pins beside them, and refuses later shadowing and a venv that cannot see
+    them. Python 3.10 itself: Debian 12's archive has none (docs/installation.md)."""
+    config = tmp_path / "cfg.py"
+    config.write_text(f"rec = 'random'\nnum_classes = 20\nnetwork = 'tiny'\n"
+                      f"output = '{tmp_path / 'out'}'\n")
+    venv = tmp_path / "venv"
+    result = as_the_system(tmp_path, f"""
+system_pip mxnet==1.9.1 numpy==1.23.5
+system_pip --no-deps "$HOROVOD_WHEEL"
+export MXNET_PACKAGE=preinstalled VENV={venv}
+bash "$REPO/setup-utils/install.sh"
+echo "== the venv's own packages"
+ls {venv}/lib/python3*/site-packages
+echo "== what the venv imports"
+{venv}/bin/python "$REPO/setup-utils/system_mxnet.py" 2>/dev/null
+echo "== check"
+{venv}/bin/horovodrun -np 2 -H localhost:2 --gloo {venv}/bin/python -m partial_fc_mx check {config}
+echo "== again"
+bash "$REPO/setup-utils/install.sh"
+echo "== shadowed"
+{venv}/bin/python -m pip install -q --no-deps --ignore-installed numpy==1.23.5
+bash "$REPO/setup-utils/install.sh" && echo "NOT REFUSED"
+echo "== a venv without the system's packages"
+python3 -m venv {tmp_path / 'plain'}
+VENV={tmp_path / 'plain'} bash "$REPO/setup-utils/install.sh" && echo "NOT REFUSED"
+echo "== end"
+""", timeout=600)
+    out = result.stdout
+    assert result.returncode == 0 and "== end" in out, out[-4000:]
+    sections = dict(part.split("\n", 1) for part in out.split("== ")[1:])
+    own = sections["the venv's own packages"].split()
+    assert not {"mxnet", "numpy", "horovod"} & set(own), own  # nothing installed over them
+    assert "onnxruntime" in own and "tensorboardX" in own  # our other pins: in the venv
+    imported = dict(line.split("=", 1) for line in sections["what the venv imports"].split())
+    system_site = Path(imported["mxnet_dir"]).parent
+    assert str(venv) not in system_site.as_posix() and imported["mxnet_version"] == "1.9.1"
+    assert Path(imported["numpy_dir"]).parent == system_site == Path(imported["horovod_dir"]).parent
+    assert "using the system's MXNet 1.9.1" in out and "Horovod 0.28.1" in out
+    assert "done: Horovod v0.28.1 for MXNet; controllers: MPI, Gloo" in out
+    assert "OK: no problems found" in sections["check"], sections["check"]
+    assert "up to date" in sections["again"]
+    shadowed = sections["shadowed"]
+    assert "the venv's numpy is" in shadowed and "NOT REFUSED" not in shadowed
+    plain = sections["a venv without the system's packages"]
+    assert "was made without the system's packages" in plain and "NOT REFUSED" not in plain
+
+
+def test_preinstalled_without_a_usable_mxnet_or_numpy_is_refused_by_name(tmp_path):
+    """No MXNet, an MXNet that does not import (numpy 2), and a numpy our pins cannot
+    work with (opencv-python-headless 4.11 needs 1.23.5 on Python 3.11; MXNet 1.9 stops
+    at 1.23): each stops install.sh with the reason, the first two before any venv."""
+    venv = tmp_path / "venv"
+    result = as_the_system(tmp_path, f"""
+export MXNET_PACKAGE=preinstalled VENV={venv}
+echo "== none"
+bash "$REPO/setup-utils/install.sh" && echo "NOT REFUSED"
+[ -e {venv} ] && echo "VENV MADE"
+echo "== numpy 2"
+system_pip --no-deps mxnet==1.9.1 numpy==2.2.6
+bash "$REPO/setup-utils/install.sh" && echo "NOT REFUSED"
+[ -e {venv} ] && echo "VENV MADE"
+echo "== numpy 1.23.4"
+system_pip numpy==1.23.4 requests graphviz==0.8.4
+bash "$REPO/setup-utils/install.sh" && echo "NOT REFUSED"
+echo "== end"
+""", timeout=300)
+    out = result.stdout
+    assert result.returncode == 0 and "== end" in out, out[-4000:]
+    sections = dict(part.split("\n", 1) for part in out.split("== ")[1:])
+    assert all("NOT REFUSED" not in text and "VENV MADE" not in text
+               for text in sections.values()), out[-4000:]
+    assert "has no mxnet; MXNET_PACKAGE=preinstalled uses the MXNet this interpreter" \
+        in sections["none"]
+    assert "has mxnet, but it does not import" in sections["numpy 2"]
+    assert "could not install the pinned packages (above) beside numpy 1.23.4 of the system" \
+        in sections["numpy 1.23.4"]

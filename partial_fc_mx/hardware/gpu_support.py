@@ -168,8 +168,10 @@ def verdict(gpu: Gpu, fatbinaries: Counter[Fatbinary], build: str) -> Line:
                 f"so {ways[None]} of its {sum(ways.values())} fatbinaries have no code for "
                 f"{cap} and the first such kernel would fail with 'no kernel image is available "
                 f"for execution on the device'. Options: GPUs it has code for "
-                f"({supported_examples(fatbinaries)}), or MXNet built from source with a CUDA "
-                f"that knows {cap} (docs/installation.md: 'Hopper and newer GPUs')", problem=True)
+                f"({supported_examples(fatbinaries)}), an MXNet built for {cap} such as NVIDIA's "
+                f"NGC MXNet container's (MXNET_PACKAGE=preinstalled), or MXNet built from source "
+                f"with a CUDA that knows {cap} (docs/installation.md: 'Hopper and newer GPUs')",
+                problem=True)
 
 
 EXAMPLE_GPUS = {  # compute capability -> GPUs users rent or own
@@ -262,7 +264,8 @@ def wheel_advice(gpu: Gpu) -> str:
     runs = [w.package for w in MXNET_191_WHEELS.values() if runs_on(gpu.capability, w.fatbinaries)]
     if runs:
         return f"the GPU wheels that run on it: {', '.join(runs)} (MXNET_PACKAGE=...)"
-    return ("no MXNet 1.9.1 GPU wheel has code for it (docs/installation.md: 'Hopper and "
+    return ("no MXNet 1.9.1 GPU wheel has code for it; NVIDIA's NGC MXNet containers are "
+            "built for Hopper (MXNET_PACKAGE=preinstalled; docs/installation.md: 'Hopper and "
             "newer GPUs')")
 
 
