@@ -87,7 +87,7 @@ refuse_undriven_gpus() {
   "$@" || status=$?
   case $status in
     0) ;;
-    3) die "$mxnet_package cannot run on this machine's GPUs (the PROBLEM above); stopped $when. docs/installation.md, \"GPU support\", lists which wheel runs on which GPU." ;;
+    3) die "$mxnet_package cannot run on this machine's GPUs (the PROBLEM above); stopped $when. docs/installation.md, \"GPU support\", lists which build runs on which GPU." ;;
     *) die "the GPU check itself failed (exit $status, above); stopped $when" ;;
   esac
 }
@@ -123,10 +123,11 @@ install_fingerprint() {
       "$root/pyproject.toml" "${BASH_SOURCE[0]}" | sha256sum | cut -c1-16
   echo "$mxnet_package $(python_in_venv -c 'import sys; print(sys.version.split()[0])' 2>/dev/null)"
   [ "$mxnet_package" != preinstalled ] \
-    || echo "${system[mxnet_version]} ${system[mxnet_library]} ${system[numpy_version]} ${system[horovod_dir]}"
+    || echo "$(mxnet_build_key) cuda ${system[mxnet_cuda]} numpy ${system[numpy_version]} ${system[horovod_dir]}"
 }
 
 python_in_venv() { "$venv/bin/python" "$@"; }
+sees_system_packages() { grep -qx 'include-system-site-packages *= *true' "$venv/pyvenv.cfg"; }
 
 horovod_has_everything() {
   local report
@@ -165,18 +166,19 @@ install_python_packages() {
 # horovodrun, so that run.sh and `horovodrun --check-build` start it with the venv; as
 # pip writes it, with the __main__ guard (Gloo's launcher re-imports it in children).
 add_horovodrun_launcher() {
-  [ ! -e "$venv/bin/horovodrun" ] && python_in_venv -c 'import horovod.runner' 2>/dev/null \
-    || return 0
+  [ "$mxnet_package" = preinstalled ] && [ ! -e "$venv/bin/horovodrun" ] \
+    && python_in_venv -c 'import horovod.runner' 2>/dev/null || return 0
   printf '%s\n' "#!$venv/bin/python" "import sys" "from horovod.runner.launch import run_commandline" \
     "if __name__ == '__main__':" "    sys.exit(run_commandline())" >"$venv/bin/horovodrun"
   chmod +x "$venv/bin/horovodrun"
 }
 
 # What a Horovod wheel was built against. A preinstalled MXNet is named by its library's
-# path and size: two builds of 1.9.1 (the wheel's, a container's) differ in ABI.
+# path, size and time: two builds of 1.9.1 (the wheel's, a container's, one rebuilt in
+# place) differ in ABI, and a Horovod built against one must not serve another.
 mxnet_build_key() {
   if [ "$mxnet_package" = preinstalled ]; then
-    echo "preinstalled-${system[mxnet_version]}-$(stat -c '%n %s' "${system[mxnet_library]}" | sha256sum | cut -c1-12)"
+    echo "preinstalled-${system[mxnet_version]}-$(stat -c '%n %s %Y' "${system[mxnet_library]}" | sha256sum | cut -c1-12)"
   else
     echo "${mxnet_package}-${mxnet_version}"
   fi
@@ -229,9 +231,10 @@ main() {
   if [ ! -x "$venv/bin/python" ]; then
     say "creating the virtual environment $venv"
     python3 -m venv "${venv_options[@]}" "$venv"
-  elif [ "$mxnet_package" = preinstalled ] \
-      && ! grep -qx 'include-system-site-packages *= *true' "$venv/pyvenv.cfg"; then
+  elif [ "$mxnet_package" = preinstalled ] && ! sees_system_packages; then
     die "$venv was made without the system's packages, so it cannot see the preinstalled MXNet; remove it (rm -rf $venv) or set VENV to another folder, and rerun"
+  elif [ "$mxnet_package" != preinstalled ] && sees_system_packages; then
+    die "$venv sees the system's packages (made by MXNET_PACKAGE=preinstalled): an MXNet installed into it would run beside the system's Horovod and numpy. Rerun with MXNET_PACKAGE=preinstalled, or remove it (rm -rf $venv) or set VENV to another folder"
   fi
   local stamp="$venv/.partial_fc_mx-installed"
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$(install_fingerprint)" ] && horovod_has_everything; then

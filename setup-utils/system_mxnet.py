@@ -39,8 +39,8 @@ def found() -> dict[str, str]:
         import mxnet
     except Exception as error:  # noqa: BLE001 - MXNet's import raises what its library raises
         fail(f"has mxnet, but it does not import: {type(error).__name__}: {error}. A numpy "
-             "that MXNet 1.9 cannot use (2.x, or none) or missing CUDA libraries are the "
-             "usual causes")
+             "that the PyPI MXNet 1.9 cannot use (1.24 or newer, or none) or missing CUDA "
+             "libraries are the usual causes")
     import numpy
 
     if not mxnet.__version__.startswith(MXNET_SERIES):

@@ -147,6 +147,10 @@ def test_an_h100_is_refused_with_the_facts_and_the_options():
     assert "SASS for sm_50, sm_60, sm_70, sm_80, sm_86; PTX for none" in line
     assert "197 of its 197 fatbinaries have no code for 9.0" in line
     assert "A100/A30 (8.0)" in line and "built from source" in line
+    assert "NGC MXNet container, built for Hopper (MXNET_PACKAGE=preinstalled)" in line
+    blackwell, _ = verdict(Gpu(0, "NVIDIA B200", (10, 0)),
+                           MXNET_191_WHEELS["mxnet-cu117"].fatbinaries, "mxnet-cu117 1.9.1")
+    assert "NGC" not in blackwell  # built for Hopper: not known to run on 10.0
 
 
 def test_one_fatbinary_without_code_is_enough_to_refuse():
@@ -221,6 +225,7 @@ def test_a_preinstalled_build_with_hopper_code_is_judged_by_its_own_library(
     assert refused.returncode == 3
     assert f"mxnet 1.9.1 ({ampere_only / 'mxnet' / 'libmxnet.so'}) has SASS for sm_80; PTX " \
         "for none" in refused.stdout
+    assert "NGC" not in refused.stdout  # it may be the container's own build
 
 
 def test_a_wheel_is_judged_before_it_is_installed(fake_driver, tmp_path):

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import BIN
+from conftest import BIN, finish, start
 
 from partial_fc_mx.caches import default_cache_dir
 
@@ -60,17 +60,41 @@ def test_a_check_build_without_the_marks_is_a_failure(tmp_path):
 
 # ----- MXNET_PACKAGE=preinstalled: an MXNet the system's python3 already has -----
 SYSTEM_PATH = os.pathsep.join(d for d in os.environ["PATH"].split(os.pathsep) if Path(d) != BIN)
+# The system python3's install folders: its site folders and where pip puts scripts and
+# data (the outermost of nested ones: on Debian /usr/local and /usr/lib/python3/...,
+# under pyenv its whole prefix).
+SYSTEM_FOLDERS = """import site, sysconfig
+folders = {*site.getsitepackages(),
+           *(sysconfig.get_path(key) for key in ("purelib", "platlib", "scripts", "data"))}
+outermost = []
+for folder in sorted(folders):
+    if not any(folder.startswith(kept + "/") for kept in outermost):
+        outermost.append(folder)
+print(" ".join(outermost))
+"""
 IN_A_MOUNT_NAMESPACE = """set -euo pipefail
 mount --make-rprivate /
-# the system python3's site folders, as copies only this namespace sees
+# the system python3's install folders as overlays only this namespace sees, without
+# any MXNet, numpy or Horovod they hold (deleted in the overlay only)
 n=0
-for site in $(python3 -c 'import site; print(" ".join(site.getsitepackages()))'); do
-  [ -d "$site" ] || continue
+for folder in $(python3 -c "$SYSTEM_FOLDERS"); do
+  [ -d "$folder" ] || continue  # a site folder that does not exist: pip does not write there
   n=$((n + 1)); mkdir -p "$WORK/upper$n" "$WORK/work$n"
-  mount -t overlay overlay -o "lowerdir=$site,upperdir=$WORK/upper$n,workdir=$WORK/work$n" "$site"
+  mount -t overlay overlay -o "lowerdir=$folder,upperdir=$WORK/upper$n,workdir=$WORK/work$n" \
+    "$folder"
 done
-system_pip() { "$PROJECT_PYTHON" -m pip --python "$(command -v python3)" install -q \\
-  --break-system-packages "$@"; }
+forget_packages() {
+  local site
+  for site in $(python3 -c 'import site; print(" ".join(site.getsitepackages()))'); do
+    [ ! -d "$site" ] || rm -rf "$site"/numpy "$site"/numpy[-.]* "$site"/mxnet \\
+      "$site"/mxnet-* "$site"/horovod "$site"/horovod-*
+  done
+}
+forget_packages
+# as into a container's Python; --ignore-installed: never uninstall (Debian's own
+# packages have no RECORD)
+system_pip() { "$PROJECT_PYTHON" -m pip --python "$(command -v python3)" install -q \
+  --break-system-packages --ignore-installed "$@"; }
 """
 
 
@@ -83,14 +107,27 @@ def horovod_wheel() -> Path:
     return wheels[0]
 
 
-def as_the_system(tmp_path: Path, script: str, timeout: float) -> subprocess.CompletedProcess:
+def system_scripts() -> dict[str, float]:
+    """The system python3's scripts folder, name by modification time: what pip would
+    change on the real disk if the overlays missed a folder."""
+    folder = subprocess.run(["python3", "-c", "import sysconfig; print(sysconfig.get_path("
+                             "'scripts'))"], env={**os.environ, "PATH": SYSTEM_PATH},
+                            capture_output=True, text=True, timeout=60).stdout.strip()
+    return {entry.name: entry.stat().st_mtime for entry in Path(folder).iterdir()}
+
+
+def as_the_system(tmp_path: Path, script: str, timeout: float,
+                  wheel: Path | None = None) -> subprocess.CompletedProcess:
     """`script` in a mount namespace of its own in which the system python3's packages
-    are whatever `system_pip` installs there (overlays, gone with the namespace)."""
-    env = {**os.environ, "PATH": SYSTEM_PATH, "WORK": str(tmp_path), "REPO": str(REPO),
-           "PROJECT_PYTHON": str(BIN / "python"), "HOROVOD_WHEEL": str(horovod_wheel())}
-    return subprocess.run(["unshare", "--mount", "bash", "-c", IN_A_MOUNT_NAMESPACE + script],
-                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=timeout)
+    are whatever `system_pip` installs there; the real folders stay as they were."""
+    env = {"PATH": SYSTEM_PATH, "WORK": str(tmp_path), "REPO": str(REPO),
+           "PROJECT_PYTHON": str(BIN / "python"), "HOROVOD_WHEEL": str(wheel or ""),
+           "SYSTEM_FOLDERS": SYSTEM_FOLDERS}
+    before = system_scripts()
+    result = finish(start(["unshare", "--mount", "bash", "-c", IN_A_MOUNT_NAMESPACE + script],
+                          env=env), timeout)
+    assert system_scripts() == before, "the test changed the system's scripts folder"
+    return result
 
 
 def test_preinstalled_mxnet_is_used_as_it_is_and_check_passes(tmp_path):
@@ -118,11 +155,13 @@ bash "$REPO/setup-utils/install.sh"
 echo "== shadowed"
 {venv}/bin/python -m pip install -q --no-deps --ignore-installed numpy==1.23.5
 bash "$REPO/setup-utils/install.sh" && echo "NOT REFUSED"
+echo "== the PyPI wheel into it"
+MXNET_PACKAGE=mxnet bash "$REPO/setup-utils/install.sh" && echo "NOT REFUSED"
 echo "== a venv without the system's packages"
 python3 -m venv {tmp_path / 'plain'}
 VENV={tmp_path / 'plain'} bash "$REPO/setup-utils/install.sh" && echo "NOT REFUSED"
 echo "== end"
-""", timeout=600)
+""", timeout=600, wheel=horovod_wheel())
     out = result.stdout
     assert result.returncode == 0 and "== end" in out, out[-4000:]
     sections = dict(part.split("\n", 1) for part in out.split("== ")[1:])
@@ -139,6 +178,9 @@ echo "== end"
     assert "up to date" in sections["again"]
     shadowed = sections["shadowed"]
     assert "the venv's numpy is" in shadowed and "NOT REFUSED" not in shadowed
+    pypi = sections["the PyPI wheel into it"]
+    assert "sees the system's packages (made by MXNET_PACKAGE=preinstalled)" in pypi
+    assert "NOT REFUSED" not in pypi
     plain = sections["a venv without the system's packages"]
     assert "was made without the system's packages" in plain and "NOT REFUSED" not in plain
 
@@ -158,7 +200,8 @@ system_pip --no-deps mxnet==1.9.1 numpy==2.2.6
 bash "$REPO/setup-utils/install.sh" && echo "NOT REFUSED"
 [ -e {venv} ] && echo "VENV MADE"
 echo "== numpy 1.23.4"
-system_pip numpy==1.23.4 requests graphviz==0.8.4
+forget_packages
+system_pip mxnet==1.9.1 numpy==1.23.4
 bash "$REPO/setup-utils/install.sh" && echo "NOT REFUSED"
 echo "== end"
 """, timeout=300)

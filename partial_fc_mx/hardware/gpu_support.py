@@ -164,12 +164,13 @@ def verdict(gpu: Gpu, fatbinaries: Counter[Fatbinary], build: str) -> Line:
                         "start (minutes; kept in ~/.nv/ComputeCache)")
         return Line(f"{gpu}: supported (SASS)")
     cap = f"{gpu.capability[0]}.{gpu.capability[1]}"
+    container = (", NVIDIA's NGC MXNet container, built for Hopper (MXNET_PACKAGE=preinstalled)"
+                 if gpu.capability[0] == 9 and build.startswith("mxnet-cu") else "")
     return Line(f"{gpu} cannot run MXNet's kernels: {build} has {describe_archs(fatbinaries)}, "
                 f"so {ways[None]} of its {sum(ways.values())} fatbinaries have no code for "
                 f"{cap} and the first such kernel would fail with 'no kernel image is available "
                 f"for execution on the device'. Options: GPUs it has code for "
-                f"({supported_examples(fatbinaries)}), an MXNet built for {cap} such as NVIDIA's "
-                f"NGC MXNet container's (MXNET_PACKAGE=preinstalled), or MXNet built from source "
+                f"({supported_examples(fatbinaries)}){container}, or MXNet built from source "
                 f"with a CUDA that knows {cap} (docs/installation.md: 'Hopper and newer GPUs')",
                 problem=True)
 
@@ -264,9 +265,10 @@ def wheel_advice(gpu: Gpu) -> str:
     runs = [w.package for w in MXNET_191_WHEELS.values() if runs_on(gpu.capability, w.fatbinaries)]
     if runs:
         return f"the GPU wheels that run on it: {', '.join(runs)} (MXNET_PACKAGE=...)"
-    return ("no MXNet 1.9.1 GPU wheel has code for it; NVIDIA's NGC MXNet containers are "
-            "built for Hopper (MXNET_PACKAGE=preinstalled; docs/installation.md: 'Hopper and "
-            "newer GPUs')")
+    container = ("; NVIDIA's NGC MXNet container is built for Hopper (MXNET_PACKAGE="
+                 "preinstalled)" if gpu.capability[0] == 9 else "")
+    return (f"no MXNet 1.9.1 GPU wheel has code for it{container} (docs/installation.md: "
+            "'Hopper and newer GPUs')")
 
 
 # ----- the installed MXNet -----

@@ -92,7 +92,10 @@ def assign(net, source: Source) -> Mapping:
             raise mismatch(source, position, layer, name, block, "a different kind of layer")
         following = theirs[position + 1] if position + 1 < len(theirs) else None
         own_norm = isinstance(following, Norm) and following.input == layer.output
-        norm_folded = (isinstance(layer, (Conv, Dense)) and not own_norm and index + 1 < len(ours)
+        # a convolution's BatchNorm reads its output; the embedding's may read it through
+        # a reshape: after a fully connected layer, any BatchNorm next is its own
+        kept = own_norm or (isinstance(layer, Dense) and isinstance(following, Norm))
+        norm_folded = (isinstance(layer, (Conv, Dense)) and not kept and index + 1 < len(ours)
                        and isinstance(ours[index + 1][1], nn.BatchNorm))
         if norm_folded:  # the BatchNorm after it was folded into it: its bias goes into ours
             pending_bias = (layer, layer.bias if layer.bias is not None
