@@ -23,8 +23,8 @@ from partial_fc_mx.run.precision import (
     all_finite,
     build_backbone,
     clip_global_norm,
-    mixed_precision_block,
     mixed_precision_graph,
+    training_model,
 )
 
 FINITE_CHECK = """
@@ -97,7 +97,7 @@ def test_a_gpu_start_up_builds_the_float16_block_over_the_same_parameters():
     block is made from the hybridized network's symbol (MXNet 1.9.1's
     convert_hybrid_block needed a cached graph that hybridize() had just cleared)."""
     net, _ = build_backbone(Config(network="tiny", embedding_size=64), mx.cpu())
-    block = mixed_precision_block(net, "float16")
+    block = training_model(net, mx.gpu(), "float16")
     mine, theirs = net.collect_params(), block.collect_params()
     assert all(theirs[name] is mine[name] for name in mine.keys())
     assert dict(block._flags)["static_alloc"]
@@ -146,10 +146,14 @@ def test_fp16_builds_a_static_16_bit_block_over_the_same_parameters():
     assert sum(float(g.norm().asscalar()) for g in grads) > 0
 
 
-def test_float32_builds_the_network_itself():
+def test_float32_trains_the_network_itself_on_a_gpu_and_its_graph_with_kernels_on_the_cpu():
+    """On the CPU the graph has the PReLU kernel (tests/test_cpu_prelu.py), over the
+    network's own Parameter objects."""
     net, model = build_backbone(Config(network="tiny", embedding_size=64, fp16=True), mx.cpu(),
                                 "float32")
-    assert model is net
+    mine, theirs = net.collect_params(), model.collect_params()
+    assert model is not net and all(theirs[name] is mine[name] for name in mine.keys())
+    assert training_model(net, mx.gpu(), "float32") is net
 
 
 def test_a_16_bit_run_saves_float32_files_that_load_and_export(tmp_path):

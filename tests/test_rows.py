@@ -130,8 +130,8 @@ def test_centers_scale_and_projection_match_float64(name, rows, width):
 def test_each_vector_width_the_library_carries_passes_the_same_tests(march, tmp_path):
     """The library picks its code by the CPU it loads on, and this machine runs only one
     of the clones: built once per -march with no clones, the exp, softmax, projection,
-    SGD and replay (exact update) tests pass on the baseline (SSE2) and AVX2-with-FMA
-    code too."""
+    SGD and replay (exact update) tests, and the PReLU's, pass on the baseline (SSE2) and
+    AVX2-with-FMA code too."""
     if march == "x86-64-v3" and not {"avx2", "fma"} <= cpu_flags():
         pytest.skip("this CPU cannot run AVX2 with FMA")
     here = Path(__file__).parent
@@ -139,9 +139,9 @@ def test_each_vector_width_the_library_carries_passes_the_same_tests(march, tmp_
             f"kernels.FLAGS += ['-DPFC_CLONES=', '-march={march}']; "
             f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-k', "
             "'exp or softmax or nan or scale_and_projection or bit_for_bit or "
-            "exact_equals_dense', "
+            "exact_equals_dense or prelu', "
             f"{str(here / 'test_rows.py')!r}, {str(here / 'test_centers.py')!r}, "
-            f"{str(here / 'test_idle_rows.py')!r}]))")
+            f"{str(here / 'test_idle_rows.py')!r}, {str(here / 'test_cpu_prelu.py')!r}]))")
     env = {**os.environ, "PARTIAL_FC_MX_KERNELS": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", code], env=env, text=True, capture_output=True,
                           timeout=600)
@@ -201,8 +201,8 @@ def test_without_a_compiler_the_build_says_what_to_install(monkeypatch, tmp_path
 
 def test_a_failed_compile_shows_the_compilers_error_and_leaves_no_library(monkeypatch, tmp_path):
     broken = tmp_path / "rows.cc"
-    broken.write_text(kernels.SOURCE.read_text() + "\nthis is not C++;\n")
-    monkeypatch.setattr(kernels, "SOURCE", broken)
+    broken.write_text(kernels.SOURCES[0].read_text() + "\nthis is not C++;\n")
+    monkeypatch.setattr(kernels, "SOURCES", [broken, *kernels.SOURCES[1:]])
     monkeypatch.setenv("PARTIAL_FC_MX_KERNELS", str(tmp_path / "kernels"))
     with pytest.raises(kernels.KernelBuildError, match="this is not C"):
         kernels.build(kernels.mxnet_folder())
@@ -233,9 +233,9 @@ def test_ranks_that_start_together_build_once_and_a_new_source_builds_anew(tmp_p
     assert library.stat().st_mode & 0o055 == 0o055  # others may load it from a shared folder
 
     changed = tmp_path / "rows.cc"
-    changed.write_text(kernels.SOURCE.read_text() + "\n// a change\n")
+    changed.write_text(kernels.SOURCES[0].read_text() + "\n// a change\n")
     code = ("from pathlib import Path; from partial_fc_mx.pfc import kernels; "
-            f"kernels.SOURCE = Path({str(changed)!r}); "
+            f"kernels.SOURCES[0] = Path({str(changed)!r}); "
             "print(kernels.build(kernels.mxnet_folder()))")
     done = subprocess.run([sys.executable, "-c", code], env=env, text=True, capture_output=True,
                           timeout=300)

@@ -19,6 +19,7 @@ BENCHMARKS = {
     "pfc": "one Partial FC step: time, GEMM speed, memory",
     "train": "the whole training step: Partial FC against a data-parallel FC",
     "ops": "the operators PartialFC chose, next to alternatives",
+    "prelu": "the backbones' PReLU on the CPU: MXNet's LeakyReLU against the project's kernel",
     "anchor": "arcface_torch's PartialFC_V2 at pfc's shapes (in a torch environment)",
     "data": "decode throughput against mx.io.ImageRecordIter",
     "save": "the cost of durable, checksummed checkpoint files",

@@ -47,15 +47,16 @@ def dense(width: int, fan_in: int) -> nn.Dense:
                     weight_initializer=mx.init.Uniform(1 / np.sqrt(fan_in)))
 
 
-def network(recipe: Recipe, config: Config, ctx: mx.Context) -> mx.gluon.HybridBlock:
-    """The MLP, initialised; or the backbone as the trainer builds it."""
+def network(recipe: Recipe, config: Config, ctx: mx.Context) -> tuple:
+    """(net, model): the MLP, initialised, computing itself; or the backbone as the
+    trainer builds it, its model the graph it trains (with the CPU's PReLU kernel)."""
     if recipe.network != "mlp":
-        return build_backbone(config, ctx)[0]
+        return build_backbone(config, ctx)
     net = mlp(recipe)
     net.initialize(ctx=ctx)
     net.hybridize(static_alloc=True)
     net(mx.nd.zeros((2, INPUT), ctx=ctx))
-    return net
+    return net, net
 
 
 def embed(net, rows: np.ndarray, batch: int, ctx: mx.Context) -> np.ndarray:
@@ -91,10 +92,10 @@ def train(recipe: Recipe) -> None:
     config = recipe_config(recipe, int(y.max()) + 1)
     config.check_world_size(world.size)
     mx.random.seed(recipe.seed)
-    net = network(recipe, config, ctx)
+    net, model = network(recipe, config, ctx)
     dist.broadcast_parameters(net.collect_params(), root_rank=0)
     run = SimpleNamespace(trainer=make_trainer(config, net), scaler=LossScaler(False),
-                          ctx=ctx, model=net, net=net, world=world, config=config,
+                          ctx=ctx, model=model, net=net, world=world, config=config,
                           pfc=build_classifier(config, world, ctx))
     global_batch = recipe.batch_size * world.size
     schedule = Schedule.of(len(y), global_batch, recipe.epochs, 0, 0.0, [], config.lr_power)

@@ -5,7 +5,7 @@ The backbone's graph is converted with MXNet's AMP (`amp.convert_symbol`: a cast
 before every input of a convolution, dense layer and PReLU), rather than
 `amp.init()`, which patches every MXNet operator process-wide and would turn Partial
 FC's logits and softmax to 16 bits too; those stay float32. The converted graph
-shares the float32 network's parameters (`mixed_precision_block`), so:
+shares the float32 network's parameters (`training_model`), so:
   - checkpoints, --load-from and --resume-from are the same files in either
     precision (the float32 network's structure names: `features.0.weight`);
   - backbone-*.params and backbone.onnx are exported from the float32 network,
@@ -30,6 +30,8 @@ import numpy as np
 from ..backbones import get_model, graph_of
 from ..data.transforms import FACE_SIZE
 from ..errors import UserError
+from ..pfc.threads import rank_threads
+from .cpu_prelu import with_prelu_kernel
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -72,15 +74,23 @@ def build_backbone(config: Config, ctx: mx.Context, dtype: str = "float32") -> t
     for param in net.collect_params().values():
         param._finish_deferred_init()
     net.hybridize(static_alloc=True, static_shape=True)
-    return net, net if dtype == "float32" else mixed_precision_block(net, dtype)
+    return net, training_model(net, ctx, dtype)
 
 
-def mixed_precision_block(net: mx.gluon.HybridBlock, dtype: str) -> mx.gluon.SymbolBlock:
-    """`net` computing in `dtype` (mixed_precision_graph), as a block whose parameters
-    are `net`'s own float32 Parameter objects: an update of either is an update of
-    both. Built from the symbol alone: nothing is computed, so it can be built and
-    checked on any device."""
-    graph = mixed_precision_graph(graph_of(net), dtype)
+def training_model(net: mx.gluon.HybridBlock, ctx: mx.Context,
+                   dtype: str) -> mx.gluon.HybridBlock:
+    """What computes the embeddings: `net` itself in float32 on a GPU; otherwise `net`'s
+    graph in `dtype` (mixed_precision_graph) and, on the CPU, with the project's PReLU
+    kernel (cpu_prelu.py; float32 only, so not in float16, which only a GPU trains in),
+    as a block whose parameters are `net`'s own float32 Parameter objects: an update
+    of either is an update of both. Built from the symbol alone: nothing is computed,
+    so it can be built and checked on any device."""
+    prelu_kernel = ctx.device_type == "cpu" and dtype != "float16"
+    if dtype == "float32" and not prelu_kernel:
+        return net
+    graph = graph_of(net) if dtype == "float32" else mixed_precision_graph(graph_of(net), dtype)
+    if prelu_kernel:
+        graph = with_prelu_kernel(graph, rank_threads())
     block = mx.gluon.SymbolBlock(graph, [mx.sym.var("data", dtype="float32")],
                                  params=net.collect_params())
     block.hybridize(static_alloc=True, static_shape=True)
@@ -121,7 +131,7 @@ def low_precision_parameters(graph: mx.sym.Symbol) -> str | None:
         return None
     return (f"the mixed-precision backbone would hold {len(wrong)} parameter(s) in 16 bits "
             f"({', '.join(wrong[:4])}): an operator outside AMP's lists takes them; add it "
-            "to precision.mixed_precision_block's lists")
+            "to precision.mixed_precision_graph's lists")
 
 
 def clip_global_norm(arrays: list, max_norm: float, unit: float = 1.0) -> float:

@@ -1,8 +1,10 @@
-"""The project's C++ operators for the CPU (rows.cc), built on first use and loaded into
-MXNet with its library API (`mx.library.load`), which then offers them as mx.nd.pfc_*.
+"""The project's C++ operators for the CPU, built on first use and loaded into MXNet with
+its library API (`mx.library.load`), which then offers them as mx.nd.pfc_* and
+mx.sym.pfc_*: Partial FC's row passes (rows.cc) and the backbones' PReLU (prelu.cc),
+one library, with what both need in common.h.
 
-They are compiled on the machine that runs them, once per version of their source, the
-header and MXNet, into PARTIAL_FC_MX_KERNELS (default: kernels/ in the toolkit's cache
+They are compiled on the machine that runs them, once per version of their sources, headers
+and MXNet, into PARTIAL_FC_MX_KERNELS (default: kernels/ in the toolkit's cache
 folder, caches.default_cache_dir): g++ is all they need, and setup-utils/install.sh installs it for
 Horovod's build anyway. Ranks that start together build once: one builds under a file
 lock while the others wait for it (where the file system has no locks, each builds),
@@ -31,11 +33,13 @@ from pathlib import Path
 from ...caches import default_cache_dir
 from ...errors import UserError
 
-SOURCE = Path(__file__).with_name("rows.cc")
+FOLDER = Path(__file__).parent
+SOURCES = [FOLDER / "rows.cc", FOLDER / "prelu.cc"]
+HEADER = FOLDER / "common.h"
 FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno",
          "-fno-trapping-math", "-Wl,-Bsymbolic"]
 """No -ffast-math: a NaN must stay a NaN (the step's check for non-finite losses); no
--march=native: target_clones in rows.cc picks the vector width when it loads.
+-march=native: target_clones (common.h) picks the vector width when it loads.
 -fno-trapping-math: no code here reads floating-point exception flags, and without it
 the compiler does not vectorize the exp's selects on CPUs without AVX-512.
 -Bsymbolic: the library API's classes bind to this library's own copy; libmxnet.so
@@ -77,26 +81,27 @@ def mxnet_folder() -> Path:
 
 
 def build(mxnet: Path) -> Path:
-    """The built library for this source and this MXNet, compiled when missing."""
+    """The built library for these sources and this MXNet, compiled when missing."""
     compiler = shutil.which(os.environ.get("CXX", "g++"))
     if compiler is None:
         raise KernelBuildError("partial_fc_mx's CPU kernels need a C++ compiler: install g++ "
                                "(apt-get install g++, as setup-utils/install.sh does) or set "
                                "CXX to one")
-    sources = [SOURCE, mxnet / "src" / "lib_api.cc"]
-    header = mxnet / "include" / "mxnet" / "lib_api.h"
-    for needed in [*sources, header]:
+    api_source, api_header = mxnet / "src" / "lib_api.cc", mxnet / "include" / "mxnet" / "lib_api.h"
+    for needed in (api_source, api_header):
         if not needed.is_file():
             raise KernelBuildError(f"{needed} is missing: the MXNet package at {mxnet} lacks "
                                    "its library API; reinstall it (setup-utils/install.sh)")
-    command = [compiler, *FLAGS, f"-I{mxnet / 'include'}", *map(str, sources)]
+    sources, headers = [*SOURCES, api_source], [HEADER, api_header]
+    command = [compiler, *FLAGS, f"-I{HEADER.parent}", f"-I{mxnet / 'include'}",
+               *map(str, sources)]
     try:
         folder = kernel_folder()
     except RuntimeError as error:  # no HOME, and a uid without a passwd entry (caches.py)
         raise KernelBuildError(f"no folder to build partial_fc_mx's CPU kernels in ({error}): "
                                "set PARTIAL_FC_MX_KERNELS to a writable folder") from error
     try:
-        library = folder / f"rows-{fingerprint(command, [*sources, header])}.so"
+        library = folder / f"kernels-{fingerprint(command, [*sources, *headers])}.so"
         folder.mkdir(parents=True, exist_ok=True, mode=0o755)
         if not os.environ.get("PARTIAL_FC_MX_KERNELS"):
             only_owner_writes(folder)  # the toolkit's own folder, whatever the umask made it
@@ -137,7 +142,8 @@ def prune(folder: Path, keep: Path) -> None:
         with contextlib.suppress(OSError):  # another rank's, removed already
             if now - path.stat().st_mtime > PARTIAL_AGE_SECONDS:
                 path.unlink()
-    for old in folder.glob("rows-*.so"):
+    # rows-*.so: the name of the library before prelu.cc joined it
+    for old in [*folder.glob("kernels-*.so"), *folder.glob("rows-*.so")]:
         with contextlib.suppress(OSError):
             if old != keep and now - old.stat().st_mtime > OLD_LIBRARY_SECONDS:
                 old.unlink()
@@ -154,7 +160,7 @@ def only_owner_writes(folder: Path) -> None:
 
 def refuse_if_others_write(path: Path) -> None:
     """The library is loaded into every training process: a folder or file that another
-    user (root aside) owns or can write could hand it their code (a planted rows-*.so,
+    user (root aside) owns or can write could hand it their code (a planted kernels-*.so,
     or one swapped in while a build runs)."""
     status = path.stat()
     if status.st_uid not in (os.getuid(), 0):
@@ -178,7 +184,7 @@ def kernel_folder() -> Path:
 
 
 def fingerprint(command: list[str], inputs: list[Path]) -> str:
-    """A name for the build: it changes with the sources, the header, the command, the
+    """A name for the build: it changes with the sources, the headers, the command, the
     compiler's version and the machine's architecture (a home folder may be shared by
     hosts of several), so that no stale or foreign library is ever loaded."""
     digest = hashlib.sha256("\0".join([platform.machine(), *command]).encode())

@@ -1,0 +1,169 @@
+"""The backbones' PReLU on the CPU (run/cpu_prelu.py, pfc/kernels/prelu.cc): the kernel
+against float64 and finite differences, the graphs that use it and the ones that must
+not, and the slope gradient MXNet's own LeakyReLU gets wrong in `mbf`."""
+
+from __future__ import annotations
+
+import json
+
+import mxnet as mx
+import numpy as np
+import pytest
+
+from partial_fc_mx.backbones import graph_of
+from partial_fc_mx.config import Config
+from partial_fc_mx.pfc import kernels
+from partial_fc_mx.run.precision import build_backbone, training_model
+
+
+def prelu_reference(x: np.ndarray, slopes: np.ndarray, dy: np.ndarray) -> tuple:
+    """(out, data's gradient, slopes' gradient in float64) of PReLU over axis 1."""
+    shape = (1, -1) + (1,) * (x.ndim - 2)
+    a = np.broadcast_to(slopes.reshape(shape) if slopes.size > 1 else slopes, x.shape)
+    out = np.where(x > 0, x, a * x)
+    grad = np.where(x > 0, dy, a * dy)
+    per_element = dy.astype(np.float64) * np.minimum(x, 0)
+    axes = tuple(i for i in range(x.ndim) if i != 1 or slopes.size == 1)
+    return out, grad, per_element.sum(axis=axes).reshape(slopes.shape)
+
+
+def kernel_prelu(x: np.ndarray, slopes: np.ndarray, dy: np.ndarray, threads: int = 1) -> tuple:
+    kernels.load()
+    data, gamma = mx.nd.array(x), mx.nd.array(slopes)
+    data.attach_grad()
+    gamma.attach_grad()
+    with mx.autograd.record():
+        out = mx.nd.pfc_prelu(data, gamma, threads=threads)
+    out.backward(mx.nd.array(dy))
+    return out.asnumpy(), data.grad.asnumpy(), gamma.grad.asnumpy()
+
+
+@pytest.mark.parametrize("shape, slopes", [((3, 5, 7, 4), 5), ((16, 32), 32), ((4, 6, 9), 6),
+                                           ((3, 5, 7, 4), 1), ((2, 64, 56, 56), 64)])
+def test_the_prelu_kernel_matches_float64(shape, slopes):
+    """Forward and data gradient bit for bit (one multiply each); each slope's gradient,
+    a sum over its channel, within float32's rounding of float64's."""
+    rng = np.random.default_rng(sum(shape))
+    x = rng.standard_normal(shape).astype(np.float32)
+    a = rng.uniform(-0.5, 0.5, slopes).astype(np.float32)
+    dy = rng.standard_normal(shape).astype(np.float32)
+    out, grad, slope_grad = kernel_prelu(x, a, dy)
+    expected_out, expected_grad, expected_slope_grad = prelu_reference(x, a, dy)
+    assert np.array_equal(out, expected_out) and np.array_equal(grad, expected_grad)
+    scale = np.abs(dy * x).sum() / slopes
+    assert np.abs(slope_grad - expected_slope_grad).max() <= 1e-6 * scale
+
+
+def test_a_nan_stays_nan_and_more_threads_give_the_same_bits():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, 7, 6, 6)).astype(np.float32)
+    x[1, 2, 3, 4] = np.nan
+    a, dy = np.full(7, 0.25, np.float32), rng.standard_normal(x.shape).astype(np.float32)
+    results = [kernel_prelu(x, a, dy, threads) for threads in (1, 2, 3)]
+    out, grad, slope_grad = results[0]
+    assert np.isnan(out[1, 2, 3, 4]) and np.isnan(slope_grad[2])
+    assert np.isfinite(np.delete(slope_grad, 2)).all() and np.isfinite(grad).all()
+    for other in results[1:]:
+        assert all(np.array_equal(mine, theirs, equal_nan=True)
+                   for mine, theirs in zip(results[0], other))
+
+
+def ops(graph: mx.sym.Symbol) -> list[str]:
+    return [node["op"] for node in json.loads(graph.tojson())["nodes"]]
+
+
+def test_only_the_cpu_training_graph_uses_the_kernel():
+    """On the CPU, float32 and bfloat16 (AMP keeps PReLU in float32) train with the
+    kernel in place of every PReLU; the network's own graph, which checkpoints, the
+    inference symbol and the ONNX export are written from, keeps LeakyReLU; float16
+    (a GPU's) and float32 on a GPU keep it too."""
+    net, model = build_backbone(Config(network="mobilefacenet", embedding_size=64), mx.cpu())
+    own, trained = ops(graph_of(net)), ops(model(mx.sym.var("data")))
+    assert own.count("LeakyReLU") > 10 and "pfc_prelu" not in own
+    assert trained.count("pfc_prelu") == own.count("LeakyReLU") and "LeakyReLU" not in trained
+    bfloat16 = ops(training_model(net, mx.cpu(), "bfloat16")(mx.sym.var("data")))
+    assert bfloat16.count("pfc_prelu") == own.count("LeakyReLU") and "LeakyReLU" not in bfloat16
+    float16 = ops(training_model(net, mx.cpu(), "float16")(mx.sym.var("data")))
+    assert "pfc_prelu" not in float16 and float16.count("LeakyReLU") == own.count("LeakyReLU")
+    assert training_model(net, mx.gpu(), "float32") is net
+
+
+def slope_gradients(block: mx.gluon.HybridBlock, images: mx.nd.NDArray,
+                    cotangent: mx.nd.NDArray) -> dict[str, np.ndarray]:
+    with mx.autograd.record():
+        embeddings = block(images)
+    embeddings.backward(cotangent)
+    return {name: p.grad().asnumpy().copy() for name, p in block.collect_params().items()
+            if p.grad_req != "null"}
+
+
+def finite_difference(block, images, cotangent, parameter, channel: int,
+                      step: float = 1e-2) -> float:
+    """d(sum(cotangent * block(images))) / d(parameter[channel]), central, in train mode."""
+    original = parameter.data().copy()
+
+    def loss(shift: float) -> float:
+        shifted = original.copy()
+        shifted[channel] += shift
+        parameter.set_data(shifted)
+        with mx.autograd.record(train_mode=True):
+            out = block(images)
+        return float((out.astype("float64") * cotangent.astype("float64")).sum().asscalar())
+
+    difference = (loss(step) - loss(-step)) / (2 * step)
+    parameter.set_data(original)
+    return difference
+
+
+def test_a_grouped_convolution_after_prelu_leaves_mxnets_slope_gradient_wrong_not_the_kernels():
+    """MXNet 1.9.1's LeakyReLU, followed by a convolution of 64 groups over 128 channels
+    (`mbf`'s second layer), returns a wrong gradient for the slopes on the CPU (its data
+    gradient is right); the kernel's is the finite difference's. PReLU is linear in
+    its slopes and nothing else here is nonlinear in them: the difference is exact."""
+    kernels.load()
+    data, slopes = mx.sym.var("data"), mx.sym.var("slopes")
+    first = mx.sym.Convolution(data, num_filter=128, kernel=(3, 3), stride=(2, 2), pad=(1, 1),
+                               no_bias=True, name="first")
+    graphs = {"LeakyReLU": mx.sym.LeakyReLU(first, gamma=slopes, act_type="prelu"),
+              "kernel": mx.sym.pfc_prelu(first, slopes, threads=1)}
+    images = mx.nd.array(np.random.default_rng(0).standard_normal((2, 3, 32, 32)))
+    cotangent = mx.nd.array(np.random.default_rng(1).standard_normal((2, 128, 16, 16)))
+    gradients = {}
+    for label, activation in graphs.items():
+        graph = mx.sym.Convolution(activation, num_filter=128, num_group=64, kernel=(3, 3),
+                                   pad=(1, 1), no_bias=True, name="grouped")
+        block = mx.gluon.SymbolBlock(graph, [data])
+        mx.random.seed(0)
+        block.initialize(mx.init.Normal(0.1))
+        block.hybridize(static_alloc=True, static_shape=True)
+        gradients[label] = slope_gradients(block, images, cotangent)
+        exact = np.array([finite_difference(block, images, cotangent,
+                                            block.collect_params()["slopes"], c)
+                          for c in range(4)])
+    kernel, mxnet = gradients["kernel"]["slopes"][:4], gradients["LeakyReLU"]["slopes"][:4]
+    assert np.abs(kernel - exact).max() <= 1e-4 * np.abs(exact).max(), (kernel, exact)
+    assert np.abs(mxnet - exact).max() > 0.1 * np.abs(exact).max(), (mxnet, exact)
+    assert np.array_equal(gradients["kernel"]["first_weight"],
+                          gradients["LeakyReLU"]["first_weight"])
+
+
+@pytest.mark.parametrize("network", ["r18", "mobilefacenet", "mbf"])
+def test_a_backbones_training_graph_has_the_gradients_of_its_own(network):
+    """One training-mode forward and backward of the CPU's training graph against the
+    network's own: every parameter's gradient within float32 rounding, except where
+    MXNet's is wrong (mbf's first slopes, above): there the finite difference decides."""
+    net, model = build_backbone(Config(network=network, embedding_size=64), mx.cpu())
+    rng = np.random.default_rng(2)
+    images = mx.nd.array(rng.uniform(-1, 1, (4, 3, 112, 112)))  # 2: BatchNorm near-degenerate
+    cotangent = mx.nd.array(rng.standard_normal((4, 64)))
+    own, trained = (slope_gradients(block, images, cotangent) for block in (net, model))
+    first_slopes = next(p for name, p in net.collect_params().items() if name.endswith("alpha"))
+    wrong_in_mxnet = {first_slopes.name} if network == "mbf" else set()
+    for name in set(own) - wrong_in_mxnet:
+        size = np.linalg.norm(own[name])
+        assert np.linalg.norm(trained[name] - own[name]) <= 1e-4 * size + 1e-6, name
+    if network == "mbf":
+        channel = int(np.argmax(np.abs(trained[first_slopes.name])))
+        exact = finite_difference(net, images, cotangent, first_slopes, channel, step=1e-3)
+        assert abs(trained[first_slopes.name][channel] - exact) <= 0.02 * abs(exact)
+        assert abs(own[first_slopes.name][channel] - exact) > 0.5 * abs(exact)
