@@ -83,6 +83,21 @@ def test_settings_without_a_probe():
         "float32", "fp16=True, cpu_precision='float32'")
 
 
+def test_kernels_that_cannot_be_built_are_named_before_any_probe(monkeypatch):
+    """The probe trains with the CPU's PReLU kernel: a failed build is the build's error,
+    raised before probing, not an answer about bfloat16 (nor cached as one)."""
+    from partial_fc_mx.pfc import kernels
+
+    def cannot_build():
+        raise kernels.KernelBuildError("no g++ here")
+
+    monkeypatch.setattr(cpu_precision.kernels, "load", cannot_build)
+    monkeypatch.setattr(cpu_precision, "cached_probe", lambda network: pytest.fail("probed"))
+    with pytest.raises(kernels.KernelBuildError, match="no g\\+\\+ here"):
+        cpu_precision.host_choice(Config(network="tiny", embedding_size=64, fp16=True),
+                                  on_gpu=False)
+
+
 def test_ranks_agree_on_float32_when_any_host_takes_it():
     native = Choice("bfloat16", "native")
     avx2 = Choice("float32", "fp16=True on a CPU without native bfloat16")

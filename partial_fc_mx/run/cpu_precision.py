@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING
 
 from .. import caches, durable
 from ..errors import UserError
+from ..pfc import kernels
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -55,9 +56,11 @@ PASSING_SECONDS = 600
 """How long an answer that may not last is kept: for the ranks that start together."""
 ONEDNN_ISA_LINE = "dnnl_verbose,info,cpu,isa:"
 PROBE_RESULT = "PROBE "
-SOURCES = [Path(__file__), Path(__file__).with_name("precision.py"), *sorted(
-    (Path(__file__).parents[1] / "backbones").glob("*.py"))]
-"""The code a probe runs besides MXNet: a change in it probes again."""
+SOURCES = [Path(__file__), Path(__file__).with_name("precision.py"),
+           Path(__file__).with_name("cpu_prelu.py"), *kernels.SOURCES, kernels.HEADER,
+           *sorted((Path(__file__).parents[1] / "backbones").glob("*.py"))]
+"""The code a probe runs besides MXNet (the training graph, its PReLU kernel among it):
+a change in it probes again."""
 SETTINGS = ("DNNL_", "ONEDNN_", "MKLDNN_", "MXNET_MKLDNN_", "MXNET_ONEDNN_")
 """Environment variables that change what oneDNN does (its ISA cap, MXNet's switch)."""
 CRASHES = (-4, -6, -7, -8, -11)
@@ -102,6 +105,7 @@ def host_choice(config: Config, on_gpu: bool) -> Choice:
         return Choice("float16", "fp16=True on a GPU")
     if config.cpu_precision == "float32":
         return Choice("float32", "fp16=True, cpu_precision='float32'")
+    kernels.load()  # the probe trains with them: a failed build is named as one, here
     network = (config.network, config.embedding_size, config.dropout)
     return choose(config.cpu_precision, config.network, cached_probe(network),
                   socket.gethostname())

@@ -8,9 +8,13 @@
 //
 // pfc_prelu(data, slopes) -> out: data (N, C, ...) float32, slopes (C,) or (1,) float32;
 // out = data where data > 0, else slope * data, as LeakyReLU's; a NaN stays NaN. Its
-// backward gives data's gradient and the slopes', each slope's summed in double over
-// its planes in a fixed order: the same bits at any thread count. Attribute `threads`
-// as rows.cc's operators.
+// backward gives data's gradient and the slopes': each plane's share summed in float,
+// a slope's planes in double in a fixed order (the same bits at any thread count).
+// Attribute `threads` as rows.cc's operators.
+//
+// It writes its gradients; it never adds to them: MXNet 1.9's library API does not pass
+// an operator the request to add (grad_req="add"), so precision.training_model keeps
+// LeakyReLU for a network with such a parameter.
 
 #include "common.h"
 
@@ -30,7 +34,7 @@ PFC_CLONES float prelu_plane_backward(const float* dy, const float* x, float slo
   for (int64_t k = 0; k < size; ++k) {
     const bool positive = x[k] > 0;
     dx[k] = positive ? dy[k] : slope * dy[k];
-    slope_grad += positive ? 0.0f : dy[k] * x[k];
+    slope_grad += (positive ? 0.0f : x[k]) * dy[k];  // as MXNet's: an infinite dy gives NaN
   }
   return slope_grad;
 }
