@@ -69,6 +69,31 @@ def test_a_nan_stays_nan_and_more_threads_give_the_same_bits():
                    for mine, theirs in zip(results[0], other))
 
 
+def test_non_finite_values_give_what_mxnets_own_prelu_gives():
+    """NaN and infinities in the data and in the gradient, against LeakyReLU run
+    imperatively (where its gradients are right): an infinite gradient at a positive
+    input makes its slope's gradient NaN (0 * inf) in both."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 4, 3, 3)).astype(np.float32)
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    x[0, 0, 0, 0], x[1, 1, 1, 1], x[0, 2, 2, 2] = np.nan, np.inf, -np.inf
+    positive = np.argwhere(x[:, 3] > 0)[0]
+    dy[positive[0], 3, positive[1], positive[2]] = np.inf
+    a = np.full(4, 0.25, np.float32)
+    data, gamma = mx.nd.array(x), mx.nd.array(a)
+    data.attach_grad()
+    gamma.attach_grad()
+    with mx.autograd.record():
+        out = mx.nd.LeakyReLU(data, gamma=gamma, act_type="prelu")
+    out.backward(mx.nd.array(dy))
+    expected = out.asnumpy(), data.grad.asnumpy(), gamma.grad.asnumpy()
+    assert np.isnan(expected[2][3])
+    out, grad, slope_grad = kernel_prelu(x, a, dy)
+    assert np.array_equal(out, expected[0], equal_nan=True)
+    assert np.array_equal(grad, expected[1], equal_nan=True)
+    assert np.allclose(slope_grad, expected[2], rtol=1e-5, equal_nan=True)  # sums' order
+
+
 def ops(graph: mx.sym.Symbol) -> list[str]:
     return [node["op"] for node in json.loads(graph.tojson(remove_amp_cast=False))["nodes"]]
 
