@@ -83,6 +83,7 @@ def test_the_study_gives_each_task_its_recipe():
     images = Namespace(kind="images", epochs=None, network="r18")
     changes = recipe_changes(images)
     assert changes["network"] == "r18" and changes["embedding_size"] == 512
+    assert changes["prelu"] == "kernel" and "prelu" not in recipe_changes(latent)
     assert recipe_changes(Namespace(kind="images", epochs=2, network="mbf"))["epochs"] == 2
     assert task_of("images", 3000, 8, 0).heldout == IMAGES_HELDOUT
     with pytest.raises(SystemExit, match="task kind 'video'"):
@@ -267,3 +268,23 @@ def test_a_finished_run_is_reused_only_for_its_own_recipe():
     assert not same_recipe(saved, Recipe(Path("/t"), Path("/o"), sample_rate=1.0))
     assert not same_recipe(older, Recipe(Path("/t"), Path("/o"), sample_rate=0.1,
                                          seeding="per-rank"))
+    before_prelu = {k: v for k, v in saved.items() if k != "prelu"}  # trained LeakyReLU's
+    assert same_recipe(before_prelu, recipe)
+    assert not same_recipe(before_prelu, Recipe(Path("/t"), Path("/o"), sample_rate=0.1,
+                                                prelu="kernel"))
+
+
+@pytest.mark.parametrize("prelu", ["mxnet", "kernel"])
+def test_our_arm_trains_the_prelu_its_recipe_names(prelu):
+    """"kernel": the trainer's CPU graph (run/cpu_prelu.py); "mxnet": LeakyReLU's."""
+    import mxnet as mx
+
+    from partial_fc_mx.config import Config
+    from partial_fc_mx.parity.ours import network
+
+    recipe = Recipe(Path("/t"), Path("/o"), hidden=8, embedding_size=4, prelu=prelu)
+    net, model = network(recipe, Config(), mx.cpu())
+    graph = model(mx.sym.var("data"))
+    ops = {node["op"] for node in json.loads(graph.tojson())["nodes"]}
+    assert ("pfc_prelu" in ops) == (prelu == "kernel") == ("LeakyReLU" not in ops)
+    assert (model is net) == (prelu == "mxnet")

@@ -68,7 +68,8 @@ ARMS = {"ours-exact": ours(center_update="exact"), "ours-lazy": ours(center_upda
         "arcface_torch-rank-seeds": anchor(seeding="per-rank"),
         "arcface_torch-exact-margin": anchor(margin_gradient="exact"),
         "arcface_torch-all-three": anchor(momentum_form="mxnet", seeding="per-rank",
-                                          margin_gradient="exact")}
+                                          margin_gradient="exact"),
+        "ours-exact-prelu-kernel": ours(center_update="exact", prelu="kernel")}
 """arcface_torch's SGD updates every centre each step (dense). Three differences of its
 train_v2.py have an arm of their own: it decays the rate with power 1, ours with 2
 (config lr_power), so the study trains both toolkits with 2, and both with 1 in the
@@ -76,14 +77,17 @@ train_v2.py have an arm of their own: it decays the rate with power 1, ours with
 (-mxnet-momentum takes it before); it seeds every rank alike, so that the ranks'
 shards start as one matrix (-rank-seeds seeds each rank apart); and its ArcFace margin
 passes the plain cosine's gradient (-exact-margin differentiates it, as ours does;
-recipe.py); -all-three changes the three at once."""
+recipe.py); -all-three changes the three at once. ours-exact-prelu-kernel trains the
+scale task's PReLU with the trainer's CPU kernel, where the other arms of ours have
+MXNet's LeakyReLU (recipe.py's `prelu`)."""
 
 
-IMAGES_RECIPE = {"embedding_size": 512, "batch_size": 64, "epochs": 4, "evaluations": 5}
+IMAGES_RECIPE = {"embedding_size": 512, "batch_size": 64, "epochs": 4, "evaluations": 5,
+                 "prelu": "kernel"}
 """The images task's recipe, where it differs from the scale task's: arcface_torch's
-512-d embedding, and the batch and epochs of the earlier sampling study (748 steps;
-an mbf step of ours takes 16 s on this 2-core machine, arcface_torch's 7.0 s:
-docs/parity.md)."""
+512-d embedding, the batch and epochs of the earlier sampling study (748 steps; an mbf
+step of ours takes about 5.5 s on this 2-core machine, arcface_torch's 7.0 s:
+docs/parity.md), and ours' PReLU as the trainer computes it on a CPU."""
 IMAGES_HELDOUT = 600
 """Held-out identities of the images task (x 5 images: 4.5 million pairs, of which
 6,000 genuine): each evaluation embeds them all with the backbone."""

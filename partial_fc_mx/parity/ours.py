@@ -23,7 +23,7 @@ from .. import dist
 from ..backbones.iresnet import prelu
 from ..config import Config
 from ..data.loader import Batch
-from ..run.precision import LossScaler, build_backbone
+from ..run.precision import LossScaler, build_backbone, training_model
 from ..run.schedule import Schedule
 from ..train import build_classifier, make_trainer, train_step
 from .recipe import Recipe, check_network, evaluation_steps, parse, write_log
@@ -48,15 +48,17 @@ def dense(width: int, fan_in: int) -> nn.Dense:
 
 
 def network(recipe: Recipe, config: Config, ctx: mx.Context) -> tuple:
-    """(net, model): the MLP, initialised, computing itself; or the backbone as the
-    trainer builds it, its model the graph it trains (with the CPU's PReLU kernel)."""
+    """(net, model): the MLP, initialised, or the backbone as the trainer builds it; and
+    what trains it: its graph with the CPU's PReLU kernel (recipe.prelu "kernel", as the
+    trainer's), or itself, with MXNet's LeakyReLU ("mxnet")."""
     if recipe.network != "mlp":
-        return build_backbone(config, ctx)
-    net = mlp(recipe)
-    net.initialize(ctx=ctx)
-    net.hybridize(static_alloc=True)
-    net(mx.nd.zeros((2, INPUT), ctx=ctx))
-    return net, net
+        net = build_backbone(config, ctx)[0]
+    else:
+        net = mlp(recipe)
+        net.initialize(ctx=ctx)
+        net.hybridize(static_alloc=True)
+        net(mx.nd.zeros((2, INPUT), ctx=ctx))
+    return net, training_model(net, ctx, "float32") if recipe.prelu == "kernel" else net
 
 
 def embed(net, rows: np.ndarray, batch: int, ctx: mx.Context) -> np.ndarray:

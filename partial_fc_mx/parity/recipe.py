@@ -60,6 +60,13 @@ class Recipe:
     torch.no_grad, so the gradient of every logit, the target's too, is s times that of
     the plain cosine; "exact" gives its arm the derivative of s cos(theta + m), as ours
     computes (pfc/margins/combined.py)."""
+    prelu: str = "mxnet"
+    """Ours only: "mxnet" computes PReLU with MXNet's LeakyReLU, whose slopes' gradient
+    in this MLP's compiled graph comes out as the true one times the slopes (a quarter of
+    it at 0.25; tests/test_cpu_prelu.py); "kernel" with the kernel the trainer uses on a
+    CPU (run/cpu_prelu.py), as arcface_torch's autograd: the true gradient. The scale
+    task's runs of ours before 2026-11-26 are "mxnet", the default, so that they are
+    reused as what they trained."""
     evaluations: int = 10
     """Held-out embeddings written this many times along the run (the curves)."""
     network: str = "mlp"
@@ -78,6 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 CHOICES = {"center_update": ("exact", "lazy", "dense"), "momentum_form": ("own", "mxnet"),
            "seeding": ("alike", "per-rank"), "margin_gradient": ("own", "exact"),
+           "prelu": ("mxnet", "kernel"),
            "network": ("mlp", *BACKBONES)}
 
 
