@@ -1,11 +1,13 @@
 """The backbones' PReLU on the CPU (run/cpu_prelu.py, pfc/kernels/prelu.cc): the kernel
 against float64 and finite differences, the graphs that use it and the ones that must
-not, and the slope gradient MXNet's own LeakyReLU gets wrong in `mbf`."""
+not, and the slope gradient MXNet's own LeakyReLU gets wrong in some compiled graphs
+(`mbf`'s first PReLU, the parity study's MLP)."""
 
 from __future__ import annotations
 
 import json
 from collections import Counter
+from pathlib import Path
 
 import mxnet as mx
 import numpy as np
@@ -158,11 +160,11 @@ def finite_difference(block, images, cotangent, parameter, channel: int,
 
 
 def test_a_grouped_convolution_after_prelu_leaves_mxnets_slope_gradient_wrong_not_the_kernels():
-    """MXNet 1.9.1's LeakyReLU, followed by a convolution of 64 groups over 128 channels
-    (as in `mbf`), returns on the CPU the slopes' gradient times the slopes (a quarter
-    of it at the initial 0.25); its data gradient is right. The kernel's is the finite
-    difference's: PReLU is linear in its slopes and nothing else here depends on them,
-    so the difference is exact."""
+    """MXNet 1.9.1's LeakyReLU, here followed by a convolution of 64 groups over 128
+    channels (as in `mbf`), returns on the CPU the slopes' gradient times the slopes (a
+    quarter of it at the initial 0.25) in this compiled graph; its data gradient is
+    right. The kernel's is the finite difference's: PReLU is linear in its slopes and
+    nothing else here depends on them, so the difference is exact."""
     kernels.load()
     data, slopes = mx.sym.var("data"), mx.sym.var("slopes")
     first = mx.sym.Convolution(data, num_filter=128, kernel=(3, 3), stride=(2, 2), pad=(1, 1),
@@ -189,6 +191,34 @@ def test_a_grouped_convolution_after_prelu_leaves_mxnets_slope_gradient_wrong_no
     assert np.abs(mxnet - slopes * exact).max() <= 1e-4 * np.abs(exact).max(), (mxnet, exact)
     assert np.array_equal(gradients["kernel"]["first_weight"],
                           gradients["LeakyReLU"]["first_weight"])
+
+
+def test_the_parity_mlps_slope_gradient_is_wrong_in_mxnet_and_right_in_the_kernel():
+    """The scale task's MLP (Dense, BatchNorm, PReLU, twice): there too LeakyReLU's
+    slopes' gradient is the true one times the slopes, and the kernel's is the finite
+    difference's. The defect is not tied to a grouped convolution."""
+    from partial_fc_mx.parity.ours import mlp
+    from partial_fc_mx.parity.recipe import Recipe
+    from partial_fc_mx.parity.task import INPUT
+
+    mx.random.seed(0)
+    net = mlp(Recipe(Path("/t"), Path("/o"), hidden=64, embedding_size=16))
+    net.initialize()
+    net.hybridize(static_alloc=True)
+    rng = np.random.default_rng(4)
+    inputs = mx.nd.array(rng.standard_normal((32, INPUT)))
+    cotangent = mx.nd.array(rng.standard_normal((32, 16)))
+    net(inputs)
+    model = training_model(net, mx.cpu(), "float32")
+    own, trained = (slope_gradients(block, inputs, cotangent) for block in (net, model))
+    slopes = [(name, p) for name, p in net.collect_params().items() if name.endswith("alpha")]
+    assert len(slopes) == 2
+    for name, parameter in slopes:
+        channel = int(np.argmax(np.abs(trained[name])))
+        exact = finite_difference(net, inputs, cotangent, parameter, channel, step=1e-3)
+        assert abs(trained[name][channel] - exact) <= 0.02 * abs(exact)
+        value = parameter.data().asnumpy()
+        assert np.allclose(own[name], value * trained[name], rtol=1e-3, atol=1e-6)
 
 
 @pytest.mark.parametrize("network", ["r18", "mobilefacenet", "mbf"])

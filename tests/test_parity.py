@@ -75,7 +75,13 @@ def test_the_torch_arm_imports_neither_mxnet_nor_opencv():
 def test_the_study_gives_each_task_its_recipe():
     from argparse import Namespace
 
-    from partial_fc_mx.parity.__main__ import IMAGES_HELDOUT, recipe_changes, task_of
+    from partial_fc_mx.parity.__main__ import (
+        ARMS,
+        IMAGES_HELDOUT,
+        arm_recipe,
+        recipe_changes,
+        task_of,
+    )
 
     latent = Namespace(kind="latent", epochs=None, network="mbf")
     assert recipe_changes(latent) == {"epochs": Recipe.epochs}
@@ -84,6 +90,12 @@ def test_the_study_gives_each_task_its_recipe():
     changes = recipe_changes(images)
     assert changes["network"] == "r18" and changes["embedding_size"] == 512
     assert changes["prelu"] == "kernel" and "prelu" not in recipe_changes(latent)
+    base = Recipe(Path("/t"), Path("/o"))
+    for name in ("ours-exact-prelu-kernel", "ours-exact", "arcface_torch"):
+        made = arm_recipe(ARMS[name], base, 1, 0.1, images)
+        assert (made.seed, made.sample_rate, made.network) == (1, 0.1, "r18")
+    assert arm_recipe(ARMS["ours-exact-prelu-kernel"], base, 0, 1.0, latent).prelu == "kernel"
+    assert arm_recipe(ARMS["ours-exact"], base, 0, 1.0, latent).prelu == "mxnet"
     assert recipe_changes(Namespace(kind="images", epochs=2, network="mbf"))["epochs"] == 2
     assert task_of("images", 3000, 8, 0).heldout == IMAGES_HELDOUT
     with pytest.raises(SystemExit, match="task kind 'video'"):

@@ -79,14 +79,15 @@ shards start as one matrix (-rank-seeds seeds each rank apart); and its ArcFace 
 passes the plain cosine's gradient (-exact-margin differentiates it, as ours does;
 recipe.py); -all-three changes the three at once. ours-exact-prelu-kernel trains the
 scale task's PReLU with the trainer's CPU kernel, where the other arms of ours have
-MXNet's LeakyReLU (recipe.py's `prelu`)."""
+MXNet's LeakyReLU (recipe.py's `prelu`); on the images task, where every arm of ours
+has the kernel, it is ours-exact."""
 
 
 IMAGES_RECIPE = {"embedding_size": 512, "batch_size": 64, "epochs": 4, "evaluations": 5,
                  "prelu": "kernel"}
 """The images task's recipe, where it differs from the scale task's: arcface_torch's
 512-d embedding, the batch and epochs of the earlier sampling study (748 steps; an mbf
-step of ours takes about 5.5 s on this 2-core machine, arcface_torch's 7.0 s:
+step of ours, estimated at about 5.5 s on this 2-core machine, arcface_torch's 7.0 s:
 docs/parity.md), and ours' PReLU as the trainer computes it on a CPU."""
 IMAGES_HELDOUT = 600
 """Held-out identities of the images task (x 5 images: 4.5 million pairs, of which
@@ -104,6 +105,14 @@ def recipe_changes(args: argparse.Namespace) -> dict:
         return {"epochs": args.epochs or Recipe.epochs}
     return {**IMAGES_RECIPE, "network": args.network,
             **({"epochs": args.epochs} if args.epochs else {})}
+
+
+def arm_recipe(arm: Arm, base: Recipe, seed: int, rate: float,
+               args: argparse.Namespace) -> Recipe:
+    """`base` with the seed, the rate, the task's fields (recipe_changes) and then the
+    arm's own, which win where both set one (ours-exact-prelu-kernel's prelu on images)."""
+    return replace(base, seed=seed, sample_rate=rate,
+                   **{**recipe_changes(args), **arm.changes})
 
 
 @dataclass
@@ -296,10 +305,9 @@ def main(argv: list[str] | None = None) -> int:
                 for name in args.arms:
                     arm = ARMS[name]
                     processes = "" if args.np == 2 else f"-np{args.np}"
-                    recipe = replace(Recipe(task, work / task.name
-                                            / f"{name}-r{rate:g}{processes}"),
-                                     seed=seed, sample_rate=rate, **recipe_changes(args),
-                                     **arm.changes)
+                    recipe = arm_recipe(arm, Recipe(task, work / task.name
+                                                    / f"{name}-r{rate:g}{processes}"),
+                                        seed, rate, args)
                     started = time.perf_counter()
                     result = run_arm(arm, recipe, args)
                     if result is None:
