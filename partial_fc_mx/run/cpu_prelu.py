@@ -4,11 +4,12 @@ project's kernel (pfc/kernels/prelu.cc) in place of MXNet's LeakyReLU.
 The backbones have insightface's PReLU, a slope per channel. MXNet 1.9 computes it
 outside oneDNN, and its backward dominated a CPU step (68% of MobileFaceNet's, measured
 in MXNet's profiler; docs/benchmarks.md has the step with each). Its slopes' gradient
-is also wrong in `mbf`'s first PReLU (the true one times the slopes). The kernel
-computes the function and gradients PReLU has (tests/test_cpu_prelu.py). Only the graph that
-trains is rewritten (precision.training_model): the network's own graph, which
-checkpoints, `backbone-symbol.json` and the ONNX export are written from, keeps
-LeakyReLU, so every saved file loads in any MXNet without this project's library.
+is also wrong in some compiled graphs (the true one times the slopes: `mbf`'s first
+PReLU, the parity study's MLP). The kernel computes the function and gradients PReLU
+has (tests/test_cpu_prelu.py). Only the graph that trains is rewritten
+(precision.training_model): the network's own graph, which checkpoints,
+`backbone-symbol.json` and the ONNX export are written from, keeps LeakyReLU, so every
+saved file loads in any MXNet without this project's library.
 """
 
 from __future__ import annotations
