@@ -23,6 +23,7 @@ from .. import dist
 from ..backbones.iresnet import prelu
 from ..config import Config
 from ..data.loader import Batch
+from ..errors import UserError
 from ..run.precision import LossScaler, build_backbone, training_model
 from ..run.schedule import Schedule
 from ..train import build_classifier, make_trainer, train_step
@@ -61,6 +62,15 @@ def network(recipe: Recipe, config: Config, ctx: mx.Context) -> tuple:
     return net, training_model(net, ctx, "float32") if recipe.prelu == "kernel" else net
 
 
+def parts(recipe: Recipe, config: Config, world: dist.World, ctx: mx.Context) -> tuple:
+    """(net, model), trainer, classifier: local work only, which builds and loads the
+    CPU kernels (Partial FC's, and the PReLU's with recipe.prelu "kernel") and can fail
+    on one host and not another; run under dist.run_agreed, as the trainer's start-up,
+    so that every rank stops together instead of one waiting in the first collective."""
+    net, model = network(recipe, config, ctx)
+    return (net, model), make_trainer(config, net), build_classifier(config, world, ctx)
+
+
 def embed(net, rows: np.ndarray, batch: int, ctx: mx.Context) -> np.ndarray:
     """The held-out embeddings (task.input_batches)."""
     return np.concatenate([net(mx.nd.array(inputs, ctx=ctx)).asnumpy()
@@ -94,11 +104,12 @@ def train(recipe: Recipe) -> None:
     config = recipe_config(recipe, int(y.max()) + 1)
     config.check_world_size(world.size)
     mx.random.seed(recipe.seed)
-    net, model = network(recipe, config, ctx)
+    (net, model), trainer, pfc = dist.run_agreed(
+        lambda: parts(recipe, config, world, ctx), "parity.start", (UserError,), UserError,
+        "the parity arm's start-up")
     dist.broadcast_parameters(net.collect_params(), root_rank=0)
-    run = SimpleNamespace(trainer=make_trainer(config, net), scaler=LossScaler(False),
-                          ctx=ctx, model=model, net=net, world=world, config=config,
-                          pfc=build_classifier(config, world, ctx))
+    run = SimpleNamespace(trainer=trainer, scaler=LossScaler(False), ctx=ctx, model=model,
+                          net=net, world=world, config=config, pfc=pfc)
     global_batch = recipe.batch_size * world.size
     schedule = Schedule.of(len(y), global_batch, recipe.epochs, 0, 0.0, [], config.lr_power)
     per_epoch = steps_per_epoch(len(y), global_batch)
