@@ -29,20 +29,21 @@ train_with_restarts() {
   local attempt=0 status np_wanted=$NP output resume=() stopping=0 alive dropped answer
   local -a kept_hosts kept_slots
   output=$(mktemp)
+  trap 'rm -f "$output"; trap - RETURN' RETURN  # the job's copy goes on every return
   trap 'stopping=1' TERM INT
   while :; do
     status=0
     # the launcher's status, not tee's (a full disk must not fail a finished job)
     launch_training "$@" "${resume[@]}" 2>&1 | tee -i "$output" || status=${PIPESTATUS[0]}
-    if [ "$status" -eq 0 ]; then rm -f "$output"; return 0; fi
+    if [ "$status" -eq 0 ]; then return 0; fi
     if [ "$stopping" = 1 ]; then
       echo "stopped on purpose (status $status): not restarting" >&2
-      rm -f "$output"; return "$status"
+      return "$status"
     fi
     if [ "$attempt" -ge "$MAX_RESTARTS" ]; then
       [ "$MAX_RESTARTS" -gt 0 ] && echo "not restarting: $attempt restart(s) done" \
         "(MAX_RESTARTS=$MAX_RESTARTS); resume with --resume-from the work dir" >&2
-      rm -f "$output"; return "$status"
+      return "$status"
     fi
     attempt=$((attempt + 1))
     kept_hosts=(); kept_slots=(); dropped=()
@@ -59,18 +60,18 @@ train_with_restarts() {
     for n in "${SLOTS[@]}"; do alive=$((alive + n)); done
     NP=$(( alive < np_wanted ? alive : np_wanted ))
     if [ "$NP" -eq 0 ]; then
-      echo "not restarting: no host answered" >&2; rm -f "$output"; return "$status"
+      echo "not restarting: no host answered" >&2; return "$status"
     fi
     answer=$("$python" -m partial_fc_mx restart "$CONFIG" "$@" --status "$status" \
              --output "$output" --hosts "${HOSTS[@]}" --processes "$NP" \
-             --dropped "${dropped[@]}" --attempt "$attempt") || { rm -f "$output"; return "$status"; }
+             --dropped "${dropped[@]}" --attempt "$attempt") || return "$status"
     resume=()
     [ -n "$answer" ] && resume=(--resume-from "$answer")
     sleep "$RESTART_BACKOFF"
-    [ "$stopping" = 1 ] && { rm -f "$output"; return "$status"; }
+    [ "$stopping" = 1 ] && return "$status"
     if ! PFC_COMMAND=check launch_training "$@" "${resume[@]}"; then
       echo "not restarting: the preflight on the remaining hosts failed (above)" >&2
-      rm -f "$output"; return "$status"
+      return "$status"
     fi
   done
 }

@@ -14,6 +14,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+# PATH without the project's venv: the system's python3 and tools, as before an install
+SYSTEM_PATH = os.pathsep.join(d for d in os.environ["PATH"].split(os.pathsep) if Path(d) != BIN)
 
 
 def start(cmd: list[str], env: dict | None = None, cwd: Path = REPO) -> subprocess.Popen:

@@ -5,7 +5,6 @@ against a stand-in libcuda.so.1 (tests/fake_libcuda.c) that reports an H100."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 import struct
 from collections import Counter
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import BIN, REPO, mpirun_command, python_module, run
+from conftest import BIN, REPO, SYSTEM_PATH, mpirun_command, python_module, run
 
 from partial_fc_mx.hardware import fatbinary, gpu_support
 from partial_fc_mx.hardware.fatbinary import Fatbinary, library_fatbinaries, read_fatbinaries
@@ -302,10 +301,8 @@ def test_install_refuses_a_gpu_wheel_for_an_h100_before_installing_anything(
         fake_driver, tmp_path):
     """With the system's python3, not the project's venv: nothing is installed yet."""
     venv = tmp_path / "venv"
-    system_path = os.pathsep.join(directory for directory in os.environ["PATH"].split(os.pathsep)
-                                  if Path(directory) != BIN)
     env = {**with_gpus(fake_driver, tmp_path, H100), "MXNET_PACKAGE": "mxnet-cu117",
-           "VENV": str(venv), "PATH": system_path}
+           "VENV": str(venv), "PATH": SYSTEM_PATH}
     result = run(["bash", str(REPO / "setup-utils" / "install.sh")], env=env, timeout=60)
     assert result.returncode == 1, result.stdout
     assert "PROBLEM: GPU 0 (NVIDIA H100 80GB HBM3, compute capability 9.0) cannot run" \

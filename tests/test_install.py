@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import BIN, finish, start
+from conftest import BIN, SYSTEM_PATH, finish, start
 
 from partial_fc_mx.caches import default_cache_dir
 
@@ -59,7 +59,6 @@ def test_a_check_build_without_the_marks_is_a_failure(tmp_path):
 
 
 # ----- MXNET_PACKAGE=preinstalled: an MXNet the system's python3 already has -----
-SYSTEM_PATH = os.pathsep.join(d for d in os.environ["PATH"].split(os.pathsep) if Path(d) != BIN)
 # The system python3's install folders: its site folders and where pip puts scripts and
 # data (the outermost of nested ones: on Debian /usr/local and /usr/lib/python3/...,
 # under pyenv its whole prefix).

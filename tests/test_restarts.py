@@ -274,12 +274,14 @@ def test_a_job_stopped_with_sigterm_is_not_restarted(tmp_path, synthetic):
 
 def test_the_slurm_script_relaunches_on_the_nodes_that_answer(tmp_path, synthetic):
     """sbatch with MAX_RESTARTS=1 on 2 nodes x 8 tasks: a task killed on node B, whose
-    probe then fails; the job is relaunched on node A's 8 tasks after its preflight."""
+    probe then fails; the job is relaunched on node A's 8 tasks after its preflight.
+    The supervisor's copy of the job's output (mktemp) is gone when it returns."""
     config = config_file(tmp_path, synthetic, val_targets=[])
-    work = tmp_path / "work"
+    work, temporary = tmp_path / "work", tmp_path / "tmp"
+    temporary.mkdir()
     env = {**slurm_job(tmp_path), "PFC_REPO": str(REPO), "CONFIG": str(config),
            "MAX_RESTARTS": "1", "RESTART_BACKOFF": "0", "SRUN_DEAD": "nodeb",
-           "SRUN_FAILURES": "1"}
+           "SRUN_FAILURES": "1", "TMPDIR": str(temporary)}
     done = run(["bash", str(REPO / "setup-utils" / "slurm.sbatch"), "--work-dir", str(work)],
                env=env, timeout=120)
     assert done.returncode == 0, done.stdout
@@ -297,6 +299,7 @@ def test_the_slurm_script_relaunches_on_the_nodes_that_answer(tmp_path, syntheti
     assert "host nodeb did not answer within 30 s: dropped" in done.stdout
     assert "restart 1: task 9 on nodeb was killed; relaunching 8 processes on nodea, " \
         "without nodeb, from the start: no checkpoint yet" in (work / "training.log").read_text()
+    assert not list(temporary.glob("tmp.*")), list(temporary.iterdir())
 
 
 def test_a_max_restarts_that_is_no_number_is_refused_before_anything_runs():
