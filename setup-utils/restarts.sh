@@ -29,7 +29,9 @@ train_with_restarts() {
   local attempt=0 status np_wanted=$NP output resume=() stopping=0 alive dropped answer
   local -a kept_hosts kept_slots
   output=$(mktemp)
-  trap 'rm -f "$output"; trap - RETURN' RETURN  # the job's copy goes on every return
+  # the job's copy goes when this function returns (not when the functions it calls do,
+  # unless a caller sets functrace: set -T; nor a file sourced here, so source none)
+  trap 'rm -f "$output"; trap - RETURN' RETURN
   trap 'stopping=1' TERM INT
   while :; do
     status=0
@@ -67,7 +69,7 @@ train_with_restarts() {
              --dropped "${dropped[@]}" --attempt "$attempt") || return "$status"
     resume=()
     [ -n "$answer" ] && resume=(--resume-from "$answer")
-    sleep "$RESTART_BACKOFF"
+    sleep "$RESTART_BACKOFF" || true  # a signal to the group ends it: not set -e's exit
     [ "$stopping" = 1 ] && return "$status"
     if ! PFC_COMMAND=check launch_training "$@" "${resume[@]}"; then
       echo "not restarting: the preflight on the remaining hosts failed (above)" >&2

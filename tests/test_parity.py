@@ -6,6 +6,8 @@ documented command (docs/parity.md), not a test."""
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -304,14 +306,15 @@ def test_our_arm_trains_the_prelu_its_recipe_names(prelu):
 
 def test_a_kernel_one_rank_cannot_build_stops_every_rank_with_its_message(small_task, tmp_path):
     """Rank 1 has no compiler and no built kernels (a host unlike the others): the arm's
-    start-up fails on every rank together, rank 0 saying why, before any collective
-    could leave it waiting."""
+    start-up fails on every rank together, rank 0 saying rank 1's reason, before any
+    collective could leave it waiting."""
     recipe = Recipe(small_task, tmp_path / "ours", hidden=32, embedding_size=16, prelu="kernel")
-    arm = " ".join([sys.executable, "-m", "partial_fc_mx.parity.ours", *command_line(recipe)])
-    unlike = (f"export CXX={tmp_path / 'no-compiler'} "
-              f"PARTIAL_FC_MX_KERNELS={tmp_path / 'kernels'}")
+    arm = shlex.join([sys.executable, "-m", "partial_fc_mx.parity.ours", *command_line(recipe)])
+    unlike = shlex.join(["export", f"CXX={tmp_path / 'no-compiler'}",
+                         f"PARTIAL_FC_MX_KERNELS={tmp_path / 'kernels'}"])
     script = f'[ "$OMPI_COMM_WORLD_RANK" = 1 ] && {unlike}; exec {arm}'
-    done = mpirun(2, ["--tag-output", "bash", "-c", script], timeout=180)
+    done = mpirun(2, ["--tag-output", "bash", "-c", script], timeout=300)
     assert done.returncode != 0, done.stdout[-3000:]
-    said_by_rank_0 = [line for line in done.stdout.splitlines() if line.startswith("[1,0]")]
-    assert any("need a C++ compiler" in line for line in said_by_rank_0), done.stdout[-3000:]
+    said_by_rank_0 = [line for line in done.stdout.splitlines() if re.match(r"\[\d+,0\]", line)]
+    assert any("rank 1: partial_fc_mx's CPU kernels need a C++ compiler" in line
+               for line in said_by_rank_0), done.stdout[-3000:]

@@ -9,9 +9,11 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
 
+import pytest
 from conftest import (
     REPO,
     config_file,
@@ -299,6 +301,40 @@ def test_the_slurm_script_relaunches_on_the_nodes_that_answer(tmp_path, syntheti
     assert "host nodeb did not answer within 30 s: dropped" in done.stdout
     assert "restart 1: task 9 on nodeb was killed; relaunching 8 processes on nodea, " \
         "without nodeb, from the start: no checkpoint yet" in (work / "training.log").read_text()
+    assert not list(temporary.glob("tmp.*")), list(temporary.iterdir())
+
+
+@pytest.mark.parametrize("ending", ["signalled in the backoff", "restart refused"])
+def test_the_supervisor_returns_the_jobs_status_and_leaves_nothing(tmp_path, ending):
+    """restarts.sh alone, with stub commands: a job that fails (status 3), then either
+    scancel or Ctrl-C reaching the whole process group while the supervisor waits to
+    relaunch, or `restart` refusing. Either way it stops with the job's status (not the
+    signalled sleep's 143), relaunches nothing and leaves no copy of the job's output."""
+    temporary, launches, asked = tmp_path / "tmp", tmp_path / "launches", tmp_path / "asked"
+    temporary.mkdir()
+    restart = tmp_path / "python"
+    restart.write_text(f"#!/bin/sh\ntouch {asked}\nexit {int(ending == 'restart refused')}\n")
+    restart.chmod(0o755)
+    script = f"""set -euo pipefail
+source {REPO / 'setup-utils' / 'restarts.sh'}
+launch_training() {{ echo "launch ${{PFC_COMMAND:-}}" >> {launches}; return 3; }}
+probe_host() {{ true; }}
+python={restart}; HOSTS=(localhost); SLOTS=(2); NP=2; CONFIG=configs/orl.py
+train_with_restarts"""
+    job = start(["bash", "-c", script], env={"MAX_RESTARTS": "1", "RESTART_BACKOFF": "60",
+                                             "TMPDIR": str(temporary)})
+    try:
+        if ending == "signalled in the backoff":
+            deadline = time.time() + 30
+            while not subprocess.run(["pgrep", "-s", str(job.pid), "-x", "sleep"],
+                                     capture_output=True).stdout and time.time() < deadline:
+                time.sleep(0.1)
+            os.killpg(job.pid, signal.SIGTERM)
+        result = finish(job, timeout=30)
+    finally:
+        kill_group(job)
+    assert result.returncode == 3, result.stdout
+    assert asked.is_file() and launches.read_text() == "launch \n", result.stdout
     assert not list(temporary.glob("tmp.*")), list(temporary.iterdir())
 
 
