@@ -9,6 +9,7 @@ import json
 import re
 import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,15 @@ from conftest import mpirun, run
 from partial_fc_mx.data.loader import FaceLoader
 from partial_fc_mx.data.network_input import to_network_input
 from partial_fc_mx.data.transforms import decode_face
-from partial_fc_mx.parity.__main__ import Result, difference, same_recipe, scored, table
+from partial_fc_mx.parity import resume
+from partial_fc_mx.parity.__main__ import (
+    Result,
+    begin_or_go_on,
+    difference,
+    same_recipe,
+    scored,
+    table,
+)
 from partial_fc_mx.parity.images import SHARED
 from partial_fc_mx.parity.recipe import Recipe, check_network, command_line, evaluation_steps, parse
 from partial_fc_mx.parity.scoring import all_pairs, score
@@ -286,6 +295,31 @@ def test_a_finished_run_is_reused_only_for_its_own_recipe():
     assert same_recipe(before_prelu, recipe)
     assert not same_recipe(before_prelu, Recipe(Path("/t"), Path("/o"), sample_rate=0.1,
                                                 prelu="kernel"))
+
+
+def test_an_interrupted_run_of_the_same_recipe_is_kept_and_any_other_emptied(tmp_path):
+    recipe = Recipe(Path("/t"), tmp_path / "run", sample_rate=0.1)
+    begin_or_go_on(recipe)
+    state = resume.state_file(recipe.out, 93, 0)
+    state.write_bytes(b"state")
+    begin_or_go_on(recipe)  # started again: goes on
+    assert state.is_file()
+    begin_or_go_on(replace(recipe, seed=1))  # another recipe in the folder: from scratch
+    assert not state.exists()
+    assert json.loads((recipe.out / "recipe.json").read_text())["seed"] == "1"
+
+
+def test_a_run_goes_on_from_the_latest_step_every_rank_saved(tmp_path):
+    for step, rank in [(93, 0), (93, 1), (186, 0)]:  # rank 1 stopped before its 186
+        resume.state_file(tmp_path, step, rank).write_bytes(b"state")
+    (tmp_path / "resume-000279-rank1.partial").write_bytes(b"half")  # never renamed
+    assert resume.latest_complete(tmp_path, world=2) == 93
+    assert resume.latest_complete(tmp_path, world=1) == 186
+    assert resume.latest_complete(tmp_path, world=3) == 0  # from the beginning
+    resume.remove(tmp_path, rank=0, before=186)
+    assert resume.saved(tmp_path) == {93: {1}, 186: {0}}
+    resume.remove(tmp_path, rank=1)
+    assert resume.saved(tmp_path) == {186: {0}}
 
 
 @pytest.mark.parametrize("prelu", ["mxnet", "kernel"])

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from ..quality import REPO, mpirun_on_this_host
-from .recipe import BACKBONES, Recipe, command_line
+from .recipe import BACKBONES, Recipe, command_line, recipe_record
 from .scoring import FARS, Score, score
 from .task import KINDS, Task, load_task, write_task
 
@@ -144,11 +144,9 @@ def run_arm(arm: Arm, recipe: Recipe, args: argparse.Namespace) -> Result | None
     if not finished and args.report:
         return None
     if not finished:
-        for old in recipe.out.glob("*"):
-            old.unlink()
-        recipe.out.mkdir(parents=True, exist_ok=True)
+        begin_or_go_on(recipe)
         environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-        with open(recipe.out / "output.txt", "w") as output:
+        with open(recipe.out / "output.txt", "a") as output:
             done = subprocess.run(launch(arm, recipe, args.np, args), cwd=REPO,
                                   env=environment, stdout=output, stderr=subprocess.STDOUT)
         if done.returncode != 0:
@@ -156,6 +154,20 @@ def run_arm(arm: Arm, recipe: Recipe, args: argparse.Namespace) -> Result | None
                              f"{recipe.out / 'output.txt'}")
     log = json.loads(log_path.read_text())
     return Result(scored(recipe), log["minutes"], log["ms_per_step"])
+
+
+def begin_or_go_on(recipe: Recipe) -> None:
+    """Empty the run's folder, unless it holds an interrupted run of the same recipe
+    (its recipe.json, written here before the run starts): that is kept for the arm to
+    go on from (arcface_torch's arm resumes from its last evaluation, parity/resume.py;
+    ours trains again from the beginning, writing the same files)."""
+    started = recipe.out / "recipe.json"
+    if started.is_file() and same_recipe(json.loads(started.read_text()), recipe):
+        return
+    for old in recipe.out.glob("*"):
+        old.unlink()
+    recipe.out.mkdir(parents=True, exist_ok=True)
+    started.write_text(json.dumps(recipe_record(recipe)))
 
 
 def same_recipe(saved: dict, recipe: Recipe) -> bool:

@@ -27,6 +27,7 @@ import numpy as np
 from ..bench.anchor import load_reference
 from ..pfc.threads import rank_threads
 from ..tools.anchor_shapes import anchor_get_model
+from . import resume
 from .recipe import Recipe, add_arguments, check_network, evaluation_steps, from_args, write_log
 from .task import INPUT, as_input, input_batches, load_task, rank_rows, steps_per_epoch
 
@@ -112,6 +113,43 @@ def exact_arcface(torch, scale: float, margin: float):
     return apply
 
 
+def save_state(torch, distributed, out: Path, step: int, parts: dict, progress: dict) -> None:
+    """Every rank's training state at `step` (resume.py), the random generator's too
+    (PartialFC_V2 draws its negatives from it): a run started again goes on from here
+    as if it had not stopped. The older files go once every rank has written."""
+    rank = distributed.get_rank()
+    state = {name: part.state_dict() for name, part in parts.items()}
+    state |= {"step": step, "rng": torch.get_rng_state(), **progress}
+    path = resume.state_file(out, step, rank)
+    torch.save(state, path.with_suffix(".partial"))
+    path.with_suffix(".partial").replace(path)
+    distributed.barrier()
+    resume.remove(out, rank, before=step)
+
+
+def go_on_from(torch, distributed, out: Path, parts: dict) -> tuple[int, list, list, float]:
+    """(step, losses, seconds, wall seconds) of the latest state every rank saved in
+    `out`, loaded into `parts` and the random generator; (0, [], [], 0.0) if none.
+    Loaded with weights_only: a state file holds tensors and numbers, never code."""
+    rank, world = distributed.get_rank(), distributed.get_world_size()
+    step = resume.latest_complete(out, world)
+    agreed = torch.tensor([step, -step])
+    distributed.all_reduce(agreed, op=distributed.ReduceOp.MAX)
+    if agreed[0] != -agreed[1]:
+        raise SystemExit(f"rank {rank} of {world} found the states of step {step} in {out}, "
+                         "another rank a different step: remove the resume-*.pt files there "
+                         "to start the run again")
+    if step == 0:
+        return 0, [], [], 0.0
+    state = torch.load(resume.state_file(out, step, rank), weights_only=True)
+    for name, part in parts.items():
+        part.load_state_dict(state[name])
+    torch.set_rng_state(state["rng"])
+    print(f"rank {rank}: going on from step {step} ({resume.state_file(out, step, rank)})",
+          flush=True)
+    return step, state["losses"], state["seconds"], state["wall"]
+
+
 def train(recipe: Recipe, arcface_torch: Path) -> None:
     reference = load_reference(arcface_torch, FILES)  # before any collective: fails alike
     data = load_task(recipe.task)
@@ -146,10 +184,13 @@ def train(recipe: Recipe, arcface_torch: Path) -> None:
                                                              total_iters=total,
                                                              power=recipe.power)
     evaluate_at = evaluation_steps(total, recipe.evaluations)
-    losses, seconds, step = [], [], 0
-    started = time.perf_counter()
-    for epoch in range(recipe.epochs):
-        for rows in rank_rows(len(y), global_batch, recipe.seed, epoch, rank, world):
+    parts = {"backbone": backbone.module, "centers": pfc, "optimizer": optimizer,
+             "scheduler": scheduler}
+    step, losses, seconds, wall = go_on_from(torch, distributed, recipe.out, parts)
+    started = time.perf_counter() - wall
+    for epoch in range(step // per_epoch, recipe.epochs):
+        batches = rank_rows(len(y), global_batch, recipe.seed, epoch, rank, world)
+        for rows in batches[step - epoch * per_epoch:]:
             begin = time.perf_counter()
             labels = torch.from_numpy(np.asarray(y[rows]))  # a copy: pfc rewrites it
             loss = pfc(backbone(torch.from_numpy(as_input(x[rows]))), labels)
@@ -164,13 +205,19 @@ def train(recipe: Recipe, arcface_torch: Path) -> None:
             losses.append(loss.item())
             seconds.append(time.perf_counter() - begin)
             step += 1
-            if step in evaluate_at and rank == 0:
-                np.save(recipe.out / f"embeddings-{step:06d}.npy",
-                        embed(torch, backbone.module, data["heldout_x"], recipe.batch_size))
+            if step in evaluate_at:
+                if rank == 0:
+                    np.save(recipe.out / f"embeddings-{step:06d}.npy",
+                            embed(torch, backbone.module, data["heldout_x"],
+                                  recipe.batch_size))
+                save_state(torch, distributed, recipe.out, step, parts,
+                           {"losses": losses, "seconds": seconds,
+                            "wall": time.perf_counter() - started})
     if rank == 0:
         write_log(recipe, "arcface_torch", losses, seconds, time.perf_counter() - started,
                   total)
     distributed.barrier()
+    resume.remove(recipe.out, rank)
     distributed.destroy_process_group()
 
 

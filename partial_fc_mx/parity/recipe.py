@@ -123,11 +123,16 @@ def evaluation_steps(total_steps: int, count: int) -> list[int]:
     return sorted({max(1, round(total_steps * (k + 1) / count)) for k in range(count)})
 
 
+def recipe_record(recipe: Recipe) -> dict[str, str]:
+    """The recipe as the study's json files keep it (compared by __main__.same_recipe)."""
+    return {name: str(value) for name, value in vars(recipe).items()}
+
+
 def write_log(recipe: Recipe, toolkit: str, losses: list[float], seconds: list[float],
               wall: float, total: int) -> None:
     """log.json beside the embeddings: written last, so its presence marks a finished
     arm. The loss every 10 steps (the global batch's mean over the sampled classes)."""
-    log = {"toolkit": toolkit, "recipe": {k: str(v) for k, v in vars(recipe).items()},
+    log = {"toolkit": toolkit, "recipe": recipe_record(recipe),
            "steps": total, "minutes": wall / 60,
            "ms_per_step": 1000 * statistics.median(seconds), "loss": losses[::10]}
     (recipe.out / "log.json").write_text(json.dumps(log))
