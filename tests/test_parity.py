@@ -299,7 +299,10 @@ def test_a_finished_run_is_reused_only_for_its_own_recipe():
 
 def test_an_interrupted_run_of_the_same_recipe_is_kept_and_any_other_emptied(tmp_path):
     recipe = Recipe(Path("/t"), tmp_path / "run", sample_rate=0.1)
+    recipe.out.mkdir()
+    (recipe.out / "embeddings-000093.npy").write_bytes(b"a run of before recipe.json")
     begin_or_go_on(recipe)
+    assert [path.name for path in recipe.out.iterdir()] == ["recipe.json"]
     state = resume.state_file(recipe.out, 93, 0)
     state.write_bytes(b"state")
     begin_or_go_on(recipe)  # started again: goes on
@@ -316,7 +319,10 @@ def test_a_run_goes_on_from_the_latest_step_every_rank_saved(tmp_path):
     assert resume.latest_complete(tmp_path, world=2) == 93
     assert resume.latest_complete(tmp_path, world=1) == 186
     assert resume.latest_complete(tmp_path, world=3) == 0  # from the beginning
-    resume.remove(tmp_path, rank=0, before=186)
+    resume.remove(tmp_path, rank=0, keep=93)  # rank 0 going on from 93
+    assert resume.saved(tmp_path) == {93: {0, 1}}
+    resume.state_file(tmp_path, 186, 0).write_bytes(b"state")
+    resume.remove(tmp_path, rank=0, keep=186)  # rank 0 saved 186
     assert resume.saved(tmp_path) == {93: {1}, 186: {0}}
     resume.remove(tmp_path, rank=1)
     assert resume.saved(tmp_path) == {186: {0}}

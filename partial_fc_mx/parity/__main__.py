@@ -164,6 +164,7 @@ def begin_or_go_on(recipe: Recipe) -> None:
     started = recipe.out / "recipe.json"
     if started.is_file() and same_recipe(json.loads(started.read_text()), recipe):
         return
+    started.unlink(missing_ok=True)  # first: a folder half emptied is not taken up
     for old in recipe.out.glob("*"):
         old.unlink()
     recipe.out.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,10 @@ environment (CPU, gloo) that has no MXNet:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import inspect
+import json
+import os
 import sys
 import time
 from dataclasses import replace
@@ -28,7 +31,15 @@ from ..bench.anchor import load_reference
 from ..pfc.threads import rank_threads
 from ..tools.anchor_shapes import anchor_get_model
 from . import resume
-from .recipe import Recipe, add_arguments, check_network, evaluation_steps, from_args, write_log
+from .recipe import (
+    Recipe,
+    add_arguments,
+    check_network,
+    evaluation_steps,
+    from_args,
+    recipe_record,
+    write_log,
+)
 from .task import INPUT, as_input, input_batches, load_task, rank_rows, steps_per_epoch
 
 FILES = ("partial_fc_v2.py", "losses.py", "lr_scheduler.py")
@@ -113,41 +124,69 @@ def exact_arcface(torch, scale: float, margin: float):
     return apply
 
 
+def trained_by(torch, recipe: Recipe, arcface_torch: Path) -> dict[str, str]:
+    """What a saved state was trained by: the recipe (wherever its folder is now), torch,
+    and the code (arcface_torch's files and this one). A run goes on only from a state
+    of the same."""
+    code = hashlib.sha256()
+    for path in [arcface_torch.resolve() / name for name in FILES] + [Path(__file__)]:
+        code.update(path.read_bytes())
+    record = {name: value for name, value in recipe_record(recipe).items() if name != "out"}
+    return {"recipe": json.dumps(record), "torch": str(torch.__version__),
+            "code": code.hexdigest()}
+
+
 def save_state(torch, distributed, out: Path, step: int, parts: dict, progress: dict) -> None:
     """Every rank's training state at `step` (resume.py), the random generator's too
     (PartialFC_V2 draws its negatives from it): a run started again goes on from here
-    as if it had not stopped. The older files go once every rank has written."""
+    as if it had not stopped. Written whole (flushed to disk, then renamed); the older
+    files go once every rank has written."""
     rank = distributed.get_rank()
     state = {name: part.state_dict() for name, part in parts.items()}
     state |= {"step": step, "rng": torch.get_rng_state(), **progress}
     path = resume.state_file(out, step, rank)
-    torch.save(state, path.with_suffix(".partial"))
+    with open(path.with_suffix(".partial"), "wb") as partial:
+        torch.save(state, partial)
+        partial.flush()
+        os.fsync(partial.fileno())
     path.with_suffix(".partial").replace(path)
     distributed.barrier()
-    resume.remove(out, rank, before=step)
+    resume.remove(out, rank, keep=step)
 
 
-def go_on_from(torch, distributed, out: Path, parts: dict) -> tuple[int, list, list, float]:
-    """(step, losses, seconds, wall seconds) of the latest state every rank saved in
-    `out`, loaded into `parts` and the random generator; (0, [], [], 0.0) if none.
-    Loaded with weights_only: a state file holds tensors and numbers, never code."""
+def go_on_from(torch, distributed, out: Path, parts: dict, trained: dict) -> dict:
+    """The progress ({"step", "losses", "seconds", "wall", "resumed_at"}) of the latest
+    state every rank saved in `out`, loaded into `parts` and the random generator;
+    from the beginning if none. A state that does not load or was trained by another
+    recipe or code stops every rank with the file to remove. Loaded with weights_only:
+    a state file holds tensors, numbers and text, never code."""
     rank, world = distributed.get_rank(), distributed.get_world_size()
-    step = resume.latest_complete(out, world)
-    agreed = torch.tensor([step, -step])
+    step, problem, state = resume.latest_complete(out, world), "", None
+    path = resume.state_file(out, step, rank)
+    if step:
+        try:
+            state = torch.load(path, weights_only=True)
+            differs = [key for key, value in trained.items() if state.get(key) != value]
+            problem = f"it was trained by another {' and '.join(differs)}" if differs else ""
+        except Exception as error:  # a damaged file: its rank says so, every rank stops
+            problem = f"it does not load ({type(error).__name__}: {error})"
+    agreed = torch.tensor([step, -step, bool(problem)])
     distributed.all_reduce(agreed, op=distributed.ReduceOp.MAX)
-    if agreed[0] != -agreed[1]:
-        raise SystemExit(f"rank {rank} of {world} found the states of step {step} in {out}, "
-                         "another rank a different step: remove the resume-*.pt files there "
-                         "to start the run again")
-    if step == 0:
-        return 0, [], [], 0.0
-    state = torch.load(resume.state_file(out, step, rank), weights_only=True)
+    if problem:
+        raise SystemExit(f"rank {rank}: cannot go on from {path}: {problem}; remove the "
+                         f"resume-*.pt files in {out} to train this run from the beginning")
+    if agreed[0] != -agreed[1] or agreed[2]:
+        raise SystemExit(f"rank {rank}: another rank cannot go on from step {step} in {out} "
+                         "(its message says why)")
+    resume.remove(out, rank, keep=step)  # a later, incomplete set of an earlier start
+    if state is None:
+        return {"step": 0, "losses": [], "seconds": [], "wall": 0.0, "resumed_at": []}
     for name, part in parts.items():
         part.load_state_dict(state[name])
     torch.set_rng_state(state["rng"])
-    print(f"rank {rank}: going on from step {step} ({resume.state_file(out, step, rank)})",
-          flush=True)
-    return step, state["losses"], state["seconds"], state["wall"]
+    print(f"rank {rank}: going on from step {step} ({path})", flush=True)
+    return {key: state[key] for key in ("step", "losses", "seconds", "wall")} | {
+        "resumed_at": [*state["resumed_at"], step]}
 
 
 def train(recipe: Recipe, arcface_torch: Path) -> None:
@@ -186,8 +225,10 @@ def train(recipe: Recipe, arcface_torch: Path) -> None:
     evaluate_at = evaluation_steps(total, recipe.evaluations)
     parts = {"backbone": backbone.module, "centers": pfc, "optimizer": optimizer,
              "scheduler": scheduler}
-    step, losses, seconds, wall = go_on_from(torch, distributed, recipe.out, parts)
-    started = time.perf_counter() - wall
+    trained = trained_by(torch, recipe, arcface_torch)
+    progress = go_on_from(torch, distributed, recipe.out, parts, trained)
+    step, losses, seconds = progress["step"], progress["losses"], progress["seconds"]
+    started = time.perf_counter() - progress["wall"]
     for epoch in range(step // per_epoch, recipe.epochs):
         batches = rank_rows(len(y), global_batch, recipe.seed, epoch, rank, world)
         for rows in batches[step - epoch * per_epoch:]:
@@ -211,11 +252,12 @@ def train(recipe: Recipe, arcface_torch: Path) -> None:
                             embed(torch, backbone.module, data["heldout_x"],
                                   recipe.batch_size))
                 save_state(torch, distributed, recipe.out, step, parts,
-                           {"losses": losses, "seconds": seconds,
-                            "wall": time.perf_counter() - started})
+                           trained | {"losses": losses, "seconds": seconds,
+                                      "wall": time.perf_counter() - started,
+                                      "resumed_at": progress["resumed_at"]})
     if rank == 0:
         write_log(recipe, "arcface_torch", losses, seconds, time.perf_counter() - started,
-                  total)
+                  total, resumed_at=progress["resumed_at"])
     distributed.barrier()
     resume.remove(recipe.out, rank)
     distributed.destroy_process_group()

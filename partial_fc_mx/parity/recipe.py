@@ -129,10 +129,12 @@ def recipe_record(recipe: Recipe) -> dict[str, str]:
 
 
 def write_log(recipe: Recipe, toolkit: str, losses: list[float], seconds: list[float],
-              wall: float, total: int) -> None:
+              wall: float, total: int, resumed_at: list[int] | None = None) -> None:
     """log.json beside the embeddings: written last, so its presence marks a finished
-    arm. The loss every 10 steps (the global batch's mean over the sampled classes)."""
+    arm. The loss every 10 steps (the global batch's mean over the sampled classes);
+    the steps an interrupted run went on from (its minutes add up its starts)."""
     log = {"toolkit": toolkit, "recipe": recipe_record(recipe),
            "steps": total, "minutes": wall / 60,
-           "ms_per_step": 1000 * statistics.median(seconds), "loss": losses[::10]}
+           "ms_per_step": 1000 * statistics.median(seconds), "loss": losses[::10],
+           "resumed_at": resumed_at or []}
     (recipe.out / "log.json").write_text(json.dumps(log))

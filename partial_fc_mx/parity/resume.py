@@ -34,8 +34,8 @@ def latest_complete(out: Path, world: int) -> int:
     return max(complete, default=0)
 
 
-def remove(out: Path, rank: int, before: int | None = None) -> None:
-    """This rank's state files of steps before `before` (all of them if None)."""
+def remove(out: Path, rank: int, keep: int | None = None) -> None:
+    """This rank's state files but that of step `keep` (all of them if None)."""
     for step, ranks in saved(out).items():
-        if rank in ranks and (before is None or step < before):
-            state_file(out, step, rank).unlink(missing_ok=True)
+        if rank in ranks and step != keep:
+            state_file(out, step, rank).unlink()
