@@ -8,4 +8,4 @@ echo "== ruff"
 .venv/bin/ruff check .
 echo "== pytest"
 df -h "${TMPDIR:-/tmp}" | tail -n 1 | awk '{print "free in the temporary folder: " $4}'
-.venv/bin/python -m pytest -q --tb=short "$@"
+.venv/bin/python -m pytest -q --tb=short --durations=25 "$@"  # the slowest, to keep it under 30 minutes
