@@ -315,7 +315,7 @@ def test_an_interrupted_run_of_the_same_recipe_is_kept_and_any_other_emptied(tmp
 def test_a_run_goes_on_from_the_latest_step_every_rank_saved(tmp_path):
     for step, rank in [(93, 0), (93, 1), (186, 0)]:  # rank 1 stopped before its 186
         resume.state_file(tmp_path, step, rank).write_bytes(b"state")
-    (tmp_path / "resume-000279-rank1.partial").write_bytes(b"half")  # never renamed
+    (tmp_path / ".resume-000279-rank1.pt.partial").write_bytes(b"half")  # never renamed
     assert resume.latest_complete(tmp_path, world=2) == 93
     assert resume.latest_complete(tmp_path, world=1) == 186
     assert resume.latest_complete(tmp_path, world=3) == 0  # from the beginning

@@ -19,7 +19,6 @@ import argparse
 import hashlib
 import inspect
 import json
-import os
 import sys
 import time
 from dataclasses import replace
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import durable
 from ..bench.anchor import load_reference
 from ..pfc.threads import rank_threads
 from ..tools.anchor_shapes import anchor_get_model
@@ -143,13 +143,9 @@ def save_state(torch, distributed, out: Path, step: int, parts: dict, progress: 
     files go once every rank has written."""
     rank = distributed.get_rank()
     state = {name: part.state_dict() for name, part in parts.items()}
-    state |= {"step": step, "rng": torch.get_rng_state(), **progress}
-    path = resume.state_file(out, step, rank)
-    with open(path.with_suffix(".partial"), "wb") as partial:
-        torch.save(state, partial)
-        partial.flush()
-        os.fsync(partial.fileno())
-    path.with_suffix(".partial").replace(path)
+    state |= {"rng": torch.get_rng_state(), **progress}
+    durable.write_atomically(resume.state_file(out, step, rank),
+                             lambda partial: torch.save(state, partial))
     distributed.barrier()
     resume.remove(out, rank, keep=step)
 
@@ -185,8 +181,8 @@ def go_on_from(torch, distributed, out: Path, parts: dict, trained: dict) -> dic
         part.load_state_dict(state[name])
     torch.set_rng_state(state["rng"])
     print(f"rank {rank}: going on from step {step} ({path})", flush=True)
-    return {key: state[key] for key in ("step", "losses", "seconds", "wall")} | {
-        "resumed_at": [*state["resumed_at"], step]}
+    return {key: state[key] for key in ("losses", "seconds", "wall")} | {
+        "step": step, "resumed_at": [*state["resumed_at"], step]}
 
 
 def train(recipe: Recipe, arcface_torch: Path) -> None:

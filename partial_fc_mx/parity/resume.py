@@ -1,7 +1,7 @@
 """Where an interrupted arm of the study goes on from: a run of arcface_torch at 100,000
 identities and r = 1.0 takes about 3.5 hours here, longer than a machine may be held.
 At each evaluation step every rank writes its whole training state to its own file
-(written under a temporary name and renamed, so a file present is complete); a run
+(durable.write_atomically: a file present is complete); a run
 started again in the same folder goes on from the latest step for which every rank's
 file is there, and the older files are removed once the next set is complete. Only
 the file names are decided here, so the rule is tested without torch."""
