@@ -2,9 +2,10 @@
 
 Every rank builds the same global problem from a seed, runs PartialFC on its part,
 and compares with the float64 full-softmax reference in pfc_reference.py. It prints
-`PASS rank R ...` with the errors it saw, or raises. Usage:
+`PASS rank R ...` with the errors it saw, or raises. Several cases run one after the
+other in one launch (the process start-up, not the cases, was most of the time). Usage:
 
-    python tests/pfc_worker.py CASE      (CASE: exact, unequal, sampled, dense-sampled,
+    python tests/pfc_worker.py CASE...   (CASE: exact, unequal, sampled, dense-sampled,
                                           replay-sampled, fp16, fp16-sampled, bf16,
                                           adamw, adamw-sampled,
                                           adamw-fp16-sampled, adamw-dense-sampled,
@@ -281,19 +282,14 @@ def run_loss_scale(rank: int, world: int) -> str:
             f"before scaling {flushed} of {g32.size}; relative error {error:.1e}")
 
 
-def main() -> None:
-    case = sys.argv[1]
-    hvd.init()
-    rank, world = hvd.rank(), hvd.size()
+def run_case(case: str, rank: int, world: int) -> str:
+    """The line this rank prints for `case`; raises when its errors are above limits."""
     if case == "loss-scale":
-        print(f"PASS rank {rank}/{world} {case}: {run_loss_scale(rank, world)}", flush=True)
-        return
+        return f"PASS rank {rank}/{world} {case}: {run_loss_scale(rank, world)}"
     if case == "nan-center":
-        print(f"PASS rank {rank}/{world} {case}: {run_nan_center(rank, world)}", flush=True)
-        return
+        return f"PASS rank {rank}/{world} {case}: {run_nan_center(rank, world)}"
     if case in ("bad-label", "nonfinite", "width"):
-        print(f"REJECTED rank {rank}: {run_bad_input(case, rank, world)}", flush=True)
-        return
+        return f"REJECTED rank {rank}: {run_bad_input(case, rank, world)}"
     grad_limit = next((v for k, v in ROUNDING.items() if k in case), TOLERANCE)
     center_limit = ROUNDING["fp16"] if "fp16" in case else TOLERANCE  # float16 storage
     errors = run_steps(case, rank, world)
@@ -307,7 +303,22 @@ def main() -> None:
                       for k, v in errors.items())
     if failed:
         raise AssertionError(f"rank {rank}/{world} {case}: errors above limits: {report}")
-    print(f"PASS rank {rank}/{world} {case}: {report}", flush=True)
+    return f"PASS rank {rank}/{world} {case}: {report}"
+
+
+def main() -> None:
+    """Runs every case named; one whose errors are above limits prints FAIL and the
+    next one runs (its collectives have all finished), and the exit code says so."""
+    hvd.init()
+    rank, world = hvd.rank(), hvd.size()
+    failed = False
+    for case in sys.argv[1:]:
+        try:
+            print(run_case(case, rank, world), flush=True)
+        except AssertionError as error:
+            print(f"FAIL rank {rank}/{world} {case}: {error}", flush=True)
+            failed = True
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Partial FC against the float64 full-softmax reference, with real processes.
 
-Each launch runs tests/pfc_worker.py on every rank; a rank prints PASS with the
+Each (launcher, processes) pair launches tests/pfc_worker.py once, on every rank, with
+all its cases in turn (start-up was most of the time); a rank prints PASS with the
 errors it measured only when loss, embedding gradients and centers after two
 updates are within 1e-5 (relative) of the reference (SGD with momentum or AdamW
 on the centers), and unsampled rows and their optimizer states are bit-identical.
@@ -20,22 +21,7 @@ from partial_fc_mx.pfc.partial_fc import PartialFC
 WORKER = ["tests/pfc_worker.py"]
 
 
-def launch(launcher: str, world: int, case: str):
-    args = [sys.executable, *WORKER, case]
-    if launcher == "python":
-        return run(args, timeout=120)
-    if launcher == "mpirun":
-        return mpirun(world, args, timeout=180)
-    return horovodrun_gloo(world, args, timeout=180)
-
-
-def assert_every_rank_passed(result, world: int, case: str):
-    assert result.returncode == 0, result.stdout[-3000:]
-    for rank in range(world):
-        assert f"PASS rank {rank}/{world} {case}:" in result.stdout, result.stdout[-3000:]
-
-
-@pytest.mark.parametrize("launcher, world, case", [
+EXACT = [
     ("python", 1, "exact"),
     ("python", 1, "sampled"),
     ("horovodrun", 2, "exact"),       # 53 classes: shards of 27 and 26
@@ -68,23 +54,68 @@ def assert_every_rank_passed(result, world: int, case: str):
     ("mpirun", 2, "blocks-dense-sampled"),
     ("mpirun", 2, "composed-sampled"),  # the row passes from MXNet operators (a GPU's)
     ("horovodrun", 3, "composed-unequal"),
-])
-def test_matches_the_full_softmax_reference(launcher, world, case):
-    assert_every_rank_passed(launch(launcher, world, case), world, case)
+]
+"""(launcher, processes, case): each within 1e-5 of the float64 reference."""
 
-
-@pytest.mark.parametrize("launcher, world, case, message", [
+BAD_INPUT = [
     ("mpirun", 2, "bad-label",
      "rank 1 passed labels that are not integers in [0, 20): [20.0, -1.0, 2.5]"),
     ("horovodrun", 3, "nonfinite",
      "rank 2 passed non-finite embeddings (NaN/Inf) in batch rows [2]"),
     ("mpirun", 3, "width", "rank 2 passed 4 x 7 embeddings with 4 labels; expected 4 x 8"),
-])
-def test_bad_input_is_rejected_on_every_rank(launcher, world, case, message):
-    result = launch(launcher, world, case)
+]
+"""(launcher, processes, case, the message every rank must raise)."""
+
+
+def launch(launcher: str, world: int, cases: list[str]):
+    args = [sys.executable, *WORKER, *cases]
+    timeout = 60 + 30 * len(cases)
+    if launcher == "python":
+        return run(args, timeout=timeout)
+    if launcher == "mpirun":
+        return mpirun(world, args, timeout=timeout)
+    return horovodrun_gloo(world, args, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def launched():
+    """Each (launcher, processes) pair starts once and runs all its cases of both tables
+    in turn; `launched(launcher, world)` is that launch's result."""
+    results = {}
+
+    def result(launcher: str, world: int):
+        if (launcher, world) not in results:
+            cases = [case for (how, size, case, *_) in EXACT + BAD_INPUT
+                     if (how, size) == (launcher, world)]
+            results[launcher, world] = launch(launcher, world, cases)
+        return results[launcher, world]
+    return result
+
+
+def assert_said(result, lines: list[str]):
+    """Every line printed: each rank's PASS or REJECTED for one case."""
+    for line in lines:
+        assert line in result.stdout, f"no {line!r} in:\n{result.stdout[-3000:]}"
+
+
+@pytest.mark.parametrize("launcher, world, case", EXACT)
+def test_matches_the_full_softmax_reference(launcher, world, case, launched):
+    assert_said(launched(launcher, world),
+                [f"PASS rank {rank}/{world} {case}:" for rank in range(world)])
+
+
+@pytest.mark.parametrize("launcher, world, case, message", BAD_INPUT)
+def test_bad_input_is_rejected_on_every_rank(launcher, world, case, message, launched):
+    assert_said(launched(launcher, world),
+                [f"REJECTED rank {rank}: Partial FC input rejected: {message}"
+                 for rank in range(world)])
+
+
+@pytest.mark.parametrize("launcher, world", sorted({(how, size) for how, size, *_ in EXACT}))
+def test_each_launch_of_cases_ends_cleanly(launcher, world, launched):
+    """Beside each case's lines: no case failed and no rank crashed, also at its exit."""
+    result = launched(launcher, world)
     assert result.returncode == 0, result.stdout[-3000:]
-    for rank in range(world):
-        assert f"REJECTED rank {rank}: Partial FC input rejected: {message}" in result.stdout
 
 
 @pytest.mark.parametrize("rank", [0, 1])
