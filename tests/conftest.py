@@ -17,16 +17,6 @@ BIN = Path(sys.executable).parent
 # PATH without the project's venv: the system's python3 and tools, as before an install
 SYSTEM_PATH = os.pathsep.join(d for d in os.environ["PATH"].split(os.pathsep) if Path(d) != BIN)
 
-LONGEST_FILES = ("test_configs.py", "test_train.py", "test_multihost.py",
-                 "test_checkpoint.py", "test_cpu_precision.py", "test_install.py")
-"""Over 150 s each (tests/run.sh prints the slowest tests): handed out first."""
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The longest files first, each file's tests still together and in order: tests/run.sh
-    runs two files at a time, and a long file started last would run on alone."""
-    items.sort(key=lambda item: item.path.name not in LONGEST_FILES)
-
 
 def start(cmd: list[str], env: dict | None = None, cwd: Path = REPO) -> subprocess.Popen:
     """Start a command in its own session (process group): a launcher killed alone
