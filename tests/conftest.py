@@ -138,6 +138,19 @@ def isa_env(cap: str | None) -> dict:
     return {"DNNL_MAX_CPU_ISA": cap} if cap else {}
 
 
+def pytest_configure(config):
+    """The C++ kernels stay where the suite first built them (the toolkit's default
+    folder, or PARTIAL_FC_MX_KERNELS as given), also for the tests that give the
+    toolkit a cache folder of their own (PFC_CACHE_DIR: a precision probe, a GPU
+    preflight): a build costs 13 s of CPU, and each of those tests built anew. The
+    tests of the kernels' own build and folder set or clear PARTIAL_FC_MX_KERNELS
+    themselves (test_rows.py, test_check.py, test_parity.py)."""
+    from partial_fc_mx.caches import default_cache_dir
+
+    if "PARTIAL_FC_MX_KERNELS" not in os.environ:
+        os.environ["PARTIAL_FC_MX_KERNELS"] = str(default_cache_dir() / "kernels")
+
+
 @pytest.fixture(autouse=True)
 def venv_on_path(monkeypatch):
     """Launchers and child processes find the venv's python, mpirun and horovodrun."""
