@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -146,11 +147,18 @@ def pytest_configure(config):
     toolkit a cache folder of their own (PFC_CACHE_DIR: a precision probe, a GPU
     preflight): a build costs 13 s of CPU, and each of those tests built anew. The
     tests of the kernels' own build and folder set or clear PARTIAL_FC_MX_KERNELS
-    themselves (test_rows.py, test_check.py, test_parity.py)."""
+    themselves (test_rows.py, test_check.py, test_parity.py). Set, the variable skips
+    the toolkit's tightening of its own folder, so that is done here; without a home
+    folder (no default) it stays unset, and the tests that need kernels say why."""
     from partial_fc_mx.caches import default_cache_dir
+    from partial_fc_mx.pfc.kernels import only_owner_writes
 
     if "PARTIAL_FC_MX_KERNELS" not in os.environ:
-        os.environ["PARTIAL_FC_MX_KERNELS"] = str(default_cache_dir() / "kernels")
+        with contextlib.suppress(RuntimeError):  # no home folder
+            kernels = default_cache_dir() / "kernels"
+            if kernels.is_dir():
+                only_owner_writes(kernels)
+            os.environ["PARTIAL_FC_MX_KERNELS"] = str(kernels)
     # Open MPI's ranks wait for a message by polling a core unless the host is
     # oversubscribed; the suite runs two tests' ranks at once on CI's two cores, so a
     # rank waiting in a collective yields its core to the other test's ranks (5-15% less
