@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+from argparse import Namespace
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,15 +21,24 @@ from partial_fc_mx.data.network_input import to_network_input
 from partial_fc_mx.data.transforms import decode_face
 from partial_fc_mx.parity import resume
 from partial_fc_mx.parity.__main__ import (
+    ARMS,
     Result,
     begin_or_go_on,
     difference,
+    run_arm,
     same_recipe,
     scored,
     table,
 )
 from partial_fc_mx.parity.images import SHARED
-from partial_fc_mx.parity.recipe import Recipe, check_network, command_line, evaluation_steps, parse
+from partial_fc_mx.parity.recipe import (
+    Recipe,
+    check_network,
+    command_line,
+    evaluation_steps,
+    parse,
+    write_log,
+)
 from partial_fc_mx.parity.scoring import all_pairs, score
 from partial_fc_mx.parity.task import FAMILY, Task, as_input, load_task, rank_rows, write_task
 from partial_fc_mx.prep.synthetic import identity_images
@@ -309,6 +319,24 @@ def test_an_interrupted_run_of_the_same_recipe_is_kept_and_any_other_emptied(tmp
     begin_or_go_on(replace(recipe, seed=1))  # another recipe in the folder: from scratch
     assert not state.exists()
     assert json.loads((recipe.out / "recipe.json").read_text())["seed"] == "1"
+
+
+def test_a_finished_run_found_with_its_state_files_is_scored_and_they_are_removed(
+        small_task, tmp_path):
+    """A run stopped between writing its log and removing its state files (each rank's
+    whole training state: 100 MB at 100,000 identities) is finished: the study scores
+    it and removes them."""
+    recipe = Recipe(small_task, tmp_path / "run", sample_rate=0.1, embedding_size=16)
+    recipe.out.mkdir()
+    held_out = SMALL.heldout * SMALL.heldout_per_class
+    np.save(recipe.out / "embeddings-000003.npy",
+            np.random.default_rng(0).normal(size=(held_out, 16)).astype(np.float32))
+    write_log(recipe, "arcface_torch", [1.0], [0.1], 60.0, 3)
+    for rank in (0, 1):
+        resume.state_file(recipe.out, 3, rank).write_bytes(b"state")
+    result = run_arm(ARMS["arcface_torch"], recipe, Namespace(report=True))
+    assert [step for step, _ in result.scores] == [3] and result.minutes == 1.0
+    assert resume.saved(recipe.out) == {}
 
 
 def test_a_run_goes_on_from_the_latest_step_every_rank_saved(tmp_path):

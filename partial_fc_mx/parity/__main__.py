@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from ..quality import REPO, mpirun_on_this_host
+from . import resume
 from .recipe import BACKBONES, Recipe, command_line, recipe_record
 from .scoring import FARS, Score, score
 from .task import KINDS, Task, load_task, write_task
@@ -141,9 +142,11 @@ def run_arm(arm: Arm, recipe: Recipe, args: argparse.Namespace) -> Result | None
     log_path = recipe.out / "log.json"
     finished = log_path.is_file() and same_recipe(json.loads(log_path.read_text())["recipe"],
                                                   recipe)
-    if not finished and args.report:
+    if finished:
+        resume.clear(recipe.out)  # left by a run stopped after its log, before its cleanup
+    elif args.report:
         return None
-    if not finished:
+    else:
         begin_or_go_on(recipe)
         environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
         with open(recipe.out / "output.txt", "a") as output:

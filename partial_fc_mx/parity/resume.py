@@ -39,3 +39,12 @@ def remove(out: Path, rank: int, keep: int | None = None) -> None:
     for step, ranks in saved(out).items():
         if rank in ranks and step != keep:
             state_file(out, step, rank).unlink()
+
+
+def clear(out: Path) -> None:
+    """Every rank's state files: a finished run needs none, and a run stopped between
+    writing its log and removing them keeps its last set (100 MB a rank at 100,000
+    identities) until the study finds it finished."""
+    for step, ranks in saved(out).items():
+        for rank in ranks:
+            state_file(out, step, rank).unlink()
