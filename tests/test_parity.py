@@ -336,7 +336,7 @@ def test_a_finished_run_found_with_its_state_files_is_scored_and_they_are_remove
         resume.state_file(recipe.out, 3, rank).write_bytes(b"state")
     result = run_arm(ARMS["arcface_torch"], recipe, Namespace(report=True))
     assert [step for step, _ in result.scores] == [3] and result.minutes == 1.0
-    assert resume.saved(recipe.out) == {}
+    assert resume.saved(recipe.out) == {} and (recipe.out / "log.json").is_file()
 
 
 def test_a_run_goes_on_from_the_latest_step_every_rank_saved(tmp_path):

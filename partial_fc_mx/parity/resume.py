@@ -38,13 +38,14 @@ def remove(out: Path, rank: int, keep: int | None = None) -> None:
     """This rank's state files but that of step `keep` (all of them if None)."""
     for step, ranks in saved(out).items():
         if rank in ranks and step != keep:
-            state_file(out, step, rank).unlink()
+            state_file(out, step, rank).unlink(missing_ok=True)
 
 
 def clear(out: Path) -> None:
     """Every rank's state files: a finished run needs none, and a run stopped between
     writing its log and removing them keeps its last set (100 MB a rank at 100,000
-    identities) until the study finds it finished."""
+    identities) until the study finds it finished. A file already gone is no error:
+    the run's ranks may be removing theirs at the same moment."""
     for step, ranks in saved(out).items():
         for rank in ranks:
-            state_file(out, step, rank).unlink()
+            state_file(out, step, rank).unlink(missing_ok=True)
