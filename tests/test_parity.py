@@ -8,13 +8,14 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+import time
 from argparse import Namespace
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import mpirun, run
+from conftest import REPO, kill_group, mpirun, mpirun_command, run, start
 
 from partial_fc_mx.data.loader import FaceLoader
 from partial_fc_mx.data.network_input import to_network_input
@@ -31,6 +32,7 @@ from partial_fc_mx.parity.__main__ import (
     table,
 )
 from partial_fc_mx.parity.images import SHARED
+from partial_fc_mx.parity.ours import progress_file, read_progress, trained_recipe
 from partial_fc_mx.parity.recipe import (
     Recipe,
     check_network,
@@ -279,6 +281,58 @@ def test_our_arm_trains_for_real_and_its_embeddings_are_scored(small_task, tmp_p
     assert json.loads((out / "scores.json").read_text())  # kept: not scored twice
 
 
+def test_our_arm_killed_mid_run_goes_on_from_its_last_checkpoint_as_if_never_stopped(
+        small_task, tmp_path):
+    """SIGKILLed (every process) right after its first checkpoint, the arm started again
+    on its folder ends as a run never stopped: the same embeddings at every evaluation
+    and the same losses, bit for bit (both bring every center row current at each save;
+    sample_rate 0.5, so the sampler's stream must go on where it stood)."""
+    def recipe(name: str) -> Recipe:
+        return Recipe(small_task, tmp_path / name, sample_rate=0.5, epochs=50, batch_size=16,
+                      hidden=32, embedding_size=16, evaluations=3)  # 7 steps an epoch
+
+    def arm(out: str) -> list[str]:
+        return mpirun_command(2, [sys.executable, "-m", "partial_fc_mx.parity.ours",
+                                  *command_line(recipe(out))])
+
+    straight = run(arm("straight"), timeout=300)
+    assert straight.returncode == 0, straight.stdout[-3000:]
+    first = resume.ours_folder(tmp_path / "killed") / "checkpoints" / "step_000117"  # mid-epoch
+    job = start(arm("killed"), None, REPO)
+    while not (first / "meta.json").is_file() and job.poll() is None:
+        time.sleep(0.01)
+    kill_group(job)
+    job.wait()
+    assert not (tmp_path / "killed" / "log.json").is_file(), "it finished before the kill"
+    again = run(arm("killed"), timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:]
+    assert "going on from step 117" in again.stdout
+    logs = [json.loads((tmp_path / name / "log.json").read_text())
+            for name in ("straight", "killed")]
+    assert logs[1]["resumed_at"] == [117] and logs[0]["resumed_at"] == []
+    assert logs[1]["loss"] == logs[0]["loss"] and len(logs[0]["loss"]) == 35
+    for step in (117, 233, 350):
+        name = f"embeddings-{step:06d}.npy"
+        assert np.array_equal(np.load(tmp_path / "killed" / name),
+                              np.load(tmp_path / "straight" / name)), name
+    assert not resume.ours_folder(tmp_path / "killed").exists()  # a finished run keeps none
+
+
+def test_our_arm_goes_on_only_from_a_checkpoint_of_its_recipe(tmp_path):
+    """The progress saved beside a checkpoint names the recipe it trained (not its
+    folder): another recipe's, or a damaged file, stops the arm with the fix."""
+    recipe = Recipe(Path("/t"), tmp_path / "run", sample_rate=0.1)
+    path = progress_file(tmp_path, 93)
+    path.write_text(json.dumps({"losses": [2.0], "recipe": trained_recipe(recipe)}))
+    assert read_progress(tmp_path, 93, replace(recipe, out=Path("/moved")))["losses"] == [2.0]
+    with pytest.raises(SystemExit, match=f"cannot go on from {path}: it was trained by "
+                       f"another recipe; remove {tmp_path} to train this run from"):
+        read_progress(tmp_path, 93, replace(recipe, sample_rate=1.0))
+    path.write_text('{"losses": [2.0], "rec')
+    with pytest.raises(SystemExit, match="it does not load"):
+        read_progress(tmp_path, 93, recipe)
+
+
 def test_our_arm_trains_a_backbone_on_the_images_task(images_task, tmp_path):
     out = tmp_path / "ours"
     recipe = Recipe(images_task, out, sample_rate=0.5, epochs=1, batch_size=3,
@@ -314,10 +368,12 @@ def test_an_interrupted_run_of_the_same_recipe_is_kept_and_any_other_emptied(tmp
     assert [path.name for path in recipe.out.iterdir()] == ["recipe.json"]
     state = resume.state_file(recipe.out, 93, 0)
     state.write_bytes(b"state")
+    ours = resume.ours_folder(recipe.out) / "checkpoints" / "step_000093"
+    ours.mkdir(parents=True)
     begin_or_go_on(recipe)  # started again: goes on
-    assert state.is_file()
+    assert state.is_file() and ours.is_dir()
     begin_or_go_on(replace(recipe, seed=1))  # another recipe in the folder: from scratch
-    assert not state.exists()
+    assert not state.exists() and not resume.ours_folder(recipe.out).exists()
     assert json.loads((recipe.out / "recipe.json").read_text())["seed"] == "1"
 
 

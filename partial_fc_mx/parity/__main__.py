@@ -162,12 +162,13 @@ def run_arm(arm: Arm, recipe: Recipe, args: argparse.Namespace) -> Result | None
 def begin_or_go_on(recipe: Recipe) -> None:
     """Empty the run's folder, unless it holds an interrupted run of the same recipe
     (its recipe.json, written here before the run starts): that is kept for the arm to
-    go on from (arcface_torch's arm resumes from its last evaluation, parity/resume.py;
-    ours trains again from the beginning, writing the same files)."""
+    go on from its last evaluation (arcface_torch's state files, parity/resume.py; our
+    trainer's checkpoints, parity/ours.py)."""
     started = recipe.out / "recipe.json"
     if started.is_file() and same_recipe(json.loads(started.read_text()), recipe):
         return
     started.unlink(missing_ok=True)  # first: a folder half emptied is not taken up
+    resume.clear(recipe.out)
     for old in recipe.out.glob("*"):
         old.unlink()
     recipe.out.mkdir(parents=True, exist_ok=True)
