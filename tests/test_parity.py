@@ -6,6 +6,7 @@ documented command (docs/parity.md), not a test."""
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import sys
 import time
@@ -20,6 +21,7 @@ from conftest import REPO, kill_group, mpirun, mpirun_command, run, start
 from partial_fc_mx.data.loader import FaceLoader
 from partial_fc_mx.data.network_input import to_network_input
 from partial_fc_mx.data.transforms import decode_face
+from partial_fc_mx.errors import UserError
 from partial_fc_mx.parity import resume
 from partial_fc_mx.parity.__main__ import (
     ARMS,
@@ -32,7 +34,12 @@ from partial_fc_mx.parity.__main__ import (
     table,
 )
 from partial_fc_mx.parity.images import SHARED
-from partial_fc_mx.parity.ours import progress_file, read_progress, trained_recipe
+from partial_fc_mx.parity.ours_resume import (
+    code_digest,
+    progress_file,
+    read_progress,
+    trained_by,
+)
 from partial_fc_mx.parity.recipe import (
     Recipe,
     check_network,
@@ -286,30 +293,37 @@ def test_our_arm_killed_mid_run_goes_on_from_its_last_checkpoint_as_if_never_sto
     """SIGKILLed (every process) right after its first checkpoint, the arm started again
     on its folder ends as a run never stopped: the same embeddings at every evaluation
     and the same losses, bit for bit (both bring every center row current at each save;
-    sample_rate 0.5, so the sampler's stream must go on where it stood)."""
+    sample_rate 0.5, so the sampler's stream must go on where it stood). Started on
+    another number of processes first, it refuses the checkpoint."""
     def recipe(name: str) -> Recipe:
         return Recipe(small_task, tmp_path / name, sample_rate=0.5, epochs=50, batch_size=16,
                       hidden=32, embedding_size=16, evaluations=3)  # 7 steps an epoch
 
-    def arm(out: str) -> list[str]:
-        return mpirun_command(2, [sys.executable, "-m", "partial_fc_mx.parity.ours",
-                                  *command_line(recipe(out))])
+    def arm(out: str, processes: int = 2) -> list[str]:
+        return mpirun_command(processes, [sys.executable, "-m", "partial_fc_mx.parity.ours",
+                                          *command_line(recipe(out))])
 
     straight = run(arm("straight"), timeout=300)
     assert straight.returncode == 0, straight.stdout[-3000:]
-    first = resume.ours_folder(tmp_path / "killed") / "checkpoints" / "step_000117"  # mid-epoch
+    saves = resume.ours_folder(tmp_path / "killed") / "checkpoints"
     job = start(arm("killed"), None, REPO)
-    while not (first / "meta.json").is_file() and job.poll() is None:
+    while not (saves / "step_000117" / "meta.json").is_file() and job.poll() is None:
         time.sleep(0.01)
     kill_group(job)
     job.wait()
+    job.output.close()
     assert not (tmp_path / "killed" / "log.json").is_file(), "it finished before the kill"
+    kept = [path.name for path in saves.glob("step_*")]
+    assert kept in (["step_000117"], ["step_000233"]), kept  # both mid-epoch; 233 if slow
+    step = int(kept[0].split("_")[1])
+    other = run(arm("killed", processes=1), timeout=300)  # another global batch: refused
+    assert other.returncode != 0 and "it was trained by another processes" in other.stdout
     again = run(arm("killed"), timeout=300)
     assert again.returncode == 0, again.stdout[-3000:]
-    assert "going on from step 117" in again.stdout
+    assert f"going on from step {step}" in again.stdout
     logs = [json.loads((tmp_path / name / "log.json").read_text())
             for name in ("straight", "killed")]
-    assert logs[1]["resumed_at"] == [117] and logs[0]["resumed_at"] == []
+    assert logs[1]["resumed_at"] == [step] and logs[0]["resumed_at"] == []
     assert logs[1]["loss"] == logs[0]["loss"] and len(logs[0]["loss"]) == 35
     for step in (117, 233, 350):
         name = f"embeddings-{step:06d}.npy"
@@ -318,19 +332,37 @@ def test_our_arm_killed_mid_run_goes_on_from_its_last_checkpoint_as_if_never_sto
     assert not resume.ours_folder(tmp_path / "killed").exists()  # a finished run keeps none
 
 
-def test_our_arm_goes_on_only_from_a_checkpoint_of_its_recipe(tmp_path):
-    """The progress saved beside a checkpoint names the recipe it trained (not its
-    folder): another recipe's, or a damaged file, stops the arm with the fix."""
+def test_our_arm_goes_on_only_from_a_checkpoint_its_recipe_processes_and_code_trained(
+        tmp_path):
+    """The progress saved beside a checkpoint names what trained it (not its folder):
+    another recipe, number of processes or code, or a damaged file, stops the arm with
+    the file and the fix."""
     recipe = Recipe(Path("/t"), tmp_path / "run", sample_rate=0.1)
-    path = progress_file(tmp_path, 93)
-    path.write_text(json.dumps({"losses": [2.0], "recipe": trained_recipe(recipe)}))
-    assert read_progress(tmp_path, 93, replace(recipe, out=Path("/moved")))["losses"] == [2.0]
-    with pytest.raises(SystemExit, match=f"cannot go on from {path}: it was trained by "
-                       f"another recipe; remove {tmp_path} to train this run from"):
-        read_progress(tmp_path, 93, replace(recipe, sample_rate=1.0))
-    path.write_text('{"losses": [2.0], "rec')
-    with pytest.raises(SystemExit, match="it does not load"):
-        read_progress(tmp_path, 93, recipe)
+    trained = trained_by(recipe, 2)
+    path = progress_file(tmp_path, 2)
+
+    def saved(**changes) -> Path:
+        path.write_text(json.dumps({"losses": [2.0, 1.0], "seconds": [0.1, 0.1], "wall": 1.0,
+                                    "resumed_at": [], "trained_by": trained} | changes))
+        return path
+
+    moved = replace(recipe, out=Path("/moved"))
+    assert read_progress(saved(), 2, moved, trained)["losses"] == [2.0, 1.0]
+    refused = [("another recipe", saved, replace(recipe, sample_rate=1.0), trained),
+               ("another processes", saved, recipe, trained_by(recipe, 3)),
+               ("another code", lambda: saved(trained_by=trained | {"code": "0" * 64}),
+                recipe, trained),
+               ("it holds 1 losses for 2 steps", lambda: saved(losses=[2.0]), recipe, trained),
+               ("it lacks some of", lambda: path.write_text("{}"), recipe, trained),
+               ("it does not load", lambda: path.write_text('{"losses": [2.0], "rec'),
+                recipe, trained)]
+    for problem, write, run_recipe, run_trained in refused:
+        write()
+        with pytest.raises(UserError, match=re.escape(problem)) as refusal:
+            read_progress(path, 2, run_recipe, run_trained)
+        assert f"cannot go on from {path}" in str(refusal.value)
+        assert f"remove {tmp_path} to train this run from the beginning" in str(refusal.value)
+    assert code_digest() == trained["code"] and len(code_digest()) == 64
 
 
 def test_our_arm_trains_a_backbone_on_the_images_task(images_task, tmp_path):

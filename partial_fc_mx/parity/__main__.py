@@ -35,7 +35,7 @@ import numpy as np
 
 from ..quality import REPO, mpirun_on_this_host
 from . import resume
-from .recipe import BACKBONES, Recipe, command_line, recipe_record
+from .recipe import BACKBONES, Recipe, command_line, recipe_record, same_recipe
 from .scoring import FARS, Score, score
 from .task import KINDS, Task, load_task, write_task
 
@@ -173,13 +173,6 @@ def begin_or_go_on(recipe: Recipe) -> None:
         old.unlink()
     recipe.out.mkdir(parents=True, exist_ok=True)
     started.write_text(json.dumps(recipe_record(recipe)))
-
-
-def same_recipe(saved: dict, recipe: Recipe) -> bool:
-    """Whether a finished run trained `recipe`. A field the run's log lacks (added to
-    the recipe since) counts as its default, which is what such a run trained."""
-    defaults = {name: str(field.default) for name, field in Recipe.__dataclass_fields__.items()}
-    return {**defaults, **saved} == {k: str(v) for k, v in vars(recipe).items()}
 
 
 def scored(recipe: Recipe) -> list[tuple[int, Score]]:

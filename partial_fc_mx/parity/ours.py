@@ -4,38 +4,33 @@ backbone's Horovod-averaged update with its gradient clipped, the centres' updat
 its classifier as the trainer builds it from a config, its learning-rate schedule
 (run/schedule.py), its backbone optimizer and, on the images task, its backbone as
 the trainer builds and initialises it (float32); only the data (task.py's arrays in
-our loader's order) and the scale task's MLP are the study's. At each evaluation but
-the last it saves the trainer's own checkpoint (run/checkpoint.py) in the run's
-folder: started again on the same folder and recipe, it goes on from there.
+our loader's order) and the scale task's MLP are the study's. Started again on the
+folder of an interrupted run, it goes on from its last evaluation (ours_resume.py).
 
     mpirun -np 2 python -m partial_fc_mx.parity.ours --task DIR --out DIR --sample-rate 0.1
 """
 
 from __future__ import annotations
 
-import json
 import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import mxnet as mx
 import numpy as np
 from mxnet.gluon import nn
 
-from .. import dist, durable
+from .. import dist
 from ..backbones.iresnet import prelu
 from ..config import Config
 from ..data.loader import Batch
 from ..errors import UserError
 from ..evaluation.validator import Validator
-from ..run import checkpoint
-from ..run.checkpoint import TrainState
 from ..run.precision import LossScaler, build_backbone, training_model
 from ..run.schedule import Schedule
-from ..train import build_classifier, make_trainer, restore, train_step
-from . import resume
-from .recipe import Recipe, check_network, evaluation_steps, parse, recipe_record, write_log
+from ..train import build_classifier, make_trainer, train_step
+from . import ours_resume, resume
+from .recipe import Recipe, check_network, evaluation_steps, parse, write_log
 from .task import INPUT, as_input, input_batches, load_task, rank_rows, steps_per_epoch
 
 
@@ -119,7 +114,7 @@ def train(recipe: Recipe) -> None:
     run = SimpleNamespace(trainer=trainer, scaler=LossScaler(False), ctx=ctx, model=model,
                           net=net, world=world, config=config, pfc=pfc,
                           validator=Validator([], resume.ours_folder(recipe.out)))
-    state, progress = go_on_from(run, recipe)
+    state, progress = ours_resume.go_on_from(run, recipe)
     losses, seconds = progress["losses"], progress["seconds"]
     global_batch = recipe.batch_size * world.size
     schedule = Schedule.of(len(y), global_batch, recipe.epochs, 0, 0.0, [], config.lr_power)
@@ -142,77 +137,13 @@ def train(recipe: Recipe) -> None:
                     np.save(recipe.out / f"embeddings-{state.step:06d}.npy",
                             embed(net, data["heldout_x"], recipe.batch_size, ctx))
                 if state.step < total:
-                    save(run, recipe, state, progress | {
-                        "wall": time.perf_counter() - started})
+                    ours_resume.save(run, recipe, state, {
+                        "losses": losses, "seconds": seconds, "resumed_at":
+                        progress["resumed_at"], "wall": time.perf_counter() - started})
     if world.is_main:
         write_log(recipe, "ours", losses, seconds, time.perf_counter() - started, total,
                   resumed_at=progress["resumed_at"])
         resume.clear(recipe.out)
-
-
-def go_on_from(run: SimpleNamespace, recipe: Recipe) -> tuple[TrainState, dict]:
-    """Where the arm stands and its progress ({"losses", "seconds", "wall",
-    "resumed_at"}): the latest checkpoint in the run's folder that verifies, loaded as
-    `train --resume-from` loads one (weights, both optimizers' states, the sampler's
-    generator), with the progress saved beside it; the beginning if none."""
-    folder = resume.ours_folder(recipe.out)
-    saved = dist.allgather_object(bool(checkpoint.checkpoints(folder)), name="parity.saved")[0]
-    state, notes = restore(run.config, run.world, run.ctx, folder, run.net, run.trainer,
-                           run.pfc, run.validator, str(folder) if saved else None, None)
-    if not saved:
-        return state, {"losses": [], "seconds": [], "wall": 0.0, "resumed_at": []}
-    progress = read_progress(folder, state.step, recipe)
-    if run.world.is_main:
-        print(f"going on from step {state.step}: {'; '.join(notes)}", flush=True)
-    return state, progress | {"resumed_at": [*progress["resumed_at"], state.step]}
-
-
-def progress_file(folder: Path, step: int) -> Path:
-    return folder / f"progress-{step:06d}.json"
-
-
-def read_progress(folder: Path, step: int, recipe: Recipe) -> dict:
-    """The progress saved with step `step`'s checkpoint, if it trained `recipe`; read
-    alike by every rank (one host), so that every rank stops alike."""
-    path = progress_file(folder, step)
-    try:
-        progress = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        problem = f"it does not load ({type(error).__name__}: {error})"
-    else:
-        same = progress.get("recipe") == trained_recipe(recipe)
-        problem = "" if same else "it was trained by another recipe"
-    if problem:
-        raise SystemExit(f"cannot go on from {path}: {problem}; remove {folder} to train "
-                         "this run from the beginning")
-    return progress
-
-
-def trained_recipe(recipe: Recipe) -> dict[str, str]:
-    """The recipe a checkpoint was trained by, wherever its folder is now."""
-    return {name: value for name, value in recipe_record(recipe).items() if name != "out"}
-
-
-def save(run: SimpleNamespace, recipe: Recipe, state: TrainState, progress: dict) -> None:
-    """The trainer's checkpoint of `state` (the newest only), after its progress: a
-    checkpoint that verifies always has its progress file."""
-    folder = resume.ours_folder(recipe.out)
-
-    def write_progress() -> None:
-        folder.mkdir(parents=True, exist_ok=True)
-        record = json.dumps({**progress, "recipe": trained_recipe(recipe)})
-        durable.write_atomically(progress_file(folder, state.step),
-                                 lambda path: path.write_text(record))
-
-    dist.run_agreed(write_progress, "parity.progress", (), UserError,
-                    f"cannot write the progress of step {state.step} in {folder}",
-                    on=run.world.is_main)
-    checkpoint.save(folder, state, run.net, run.trainer, run.pfc, run.validator, run.world,
-                    keep=1)
-    if run.world.is_main:
-        for old in folder.glob("progress-*.json"):
-            if old != progress_file(folder, state.step):
-                old.unlink()
 
 
 def main(argv: list[str] | None = None) -> int:

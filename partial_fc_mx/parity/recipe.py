@@ -22,6 +22,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import durable
 from ..tools.anchor_shapes import NAMES as BACKBONES
 
 
@@ -124,8 +125,16 @@ def evaluation_steps(total_steps: int, count: int) -> list[int]:
 
 
 def recipe_record(recipe: Recipe) -> dict[str, str]:
-    """The recipe as the study's json files keep it (compared by __main__.same_recipe)."""
+    """The recipe as the study's json files keep it (compared by same_recipe)."""
     return {name: str(value) for name, value in vars(recipe).items()}
+
+
+def same_recipe(saved: dict, recipe: Recipe) -> bool:
+    """Whether a run whose files keep `saved` (recipe_record) trained `recipe`. A field
+    the record lacks (added to the recipe since) counts as its default, which is what
+    such a run trained."""
+    defaults = {name: str(field.default) for name, field in Recipe.__dataclass_fields__.items()}
+    return {**defaults, **saved} == recipe_record(recipe)
 
 
 def write_log(recipe: Recipe, toolkit: str, losses: list[float], seconds: list[float],
@@ -137,4 +146,5 @@ def write_log(recipe: Recipe, toolkit: str, losses: list[float], seconds: list[f
            "steps": total, "minutes": wall / 60,
            "ms_per_step": 1000 * statistics.median(seconds), "loss": losses[::10],
            "resumed_at": resumed_at or []}
-    (recipe.out / "log.json").write_text(json.dumps(log))
+    durable.write_atomically(recipe.out / "log.json",  # never a half-written log
+                             lambda path: path.write_text(json.dumps(log)))
