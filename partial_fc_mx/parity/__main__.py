@@ -163,7 +163,7 @@ def begin_or_go_on(recipe: Recipe) -> None:
     """Empty the run's folder, unless it holds an interrupted run of the same recipe
     (its recipe.json, written here before the run starts): that is kept for the arm to
     go on from its last evaluation (arcface_torch's state files, parity/resume.py; our
-    trainer's checkpoints, parity/ours.py)."""
+    trainer's checkpoints, parity/ours_resume.py)."""
     started = recipe.out / "recipe.json"
     if started.is_file() and same_recipe(json.loads(started.read_text()), recipe):
         return

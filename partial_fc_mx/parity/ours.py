@@ -114,7 +114,9 @@ def train(recipe: Recipe) -> None:
     run = SimpleNamespace(trainer=trainer, scaler=LossScaler(False), ctx=ctx, model=model,
                           net=net, world=world, config=config, pfc=pfc,
                           validator=Validator([], resume.ours_folder(recipe.out)))
-    state, progress = ours_resume.go_on_from(run, recipe)
+    trained = dist.allgather_object(ours_resume.trained_by(recipe, world.size),
+                                    name="parity.trained")[0]  # rank 0's, its code loaded
+    state, progress = ours_resume.go_on_from(run, recipe, trained)
     losses, seconds = progress["losses"], progress["seconds"]
     global_batch = recipe.batch_size * world.size
     schedule = Schedule.of(len(y), global_batch, recipe.epochs, 0, 0.0, [], config.lr_power)
@@ -139,7 +141,8 @@ def train(recipe: Recipe) -> None:
                 if state.step < total:
                     ours_resume.save(run, recipe, state, {
                         "losses": losses, "seconds": seconds, "resumed_at":
-                        progress["resumed_at"], "wall": time.perf_counter() - started})
+                        progress["resumed_at"], "wall": time.perf_counter() - started},
+                        trained)
     if world.is_main:
         write_log(recipe, "ours", losses, seconds, time.perf_counter() - started, total,
                   resumed_at=progress["resumed_at"])

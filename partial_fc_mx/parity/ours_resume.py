@@ -3,14 +3,15 @@ checkpoint (run/checkpoint.py: backbone, both optimizers' states, the centres, t
 sampler's generator), saved in the run's `ours-state/` (resume.ours_folder) at every
 evaluation but the last, loaded as `train --resume-from` loads one. Beside each, the
 progress so far (losses, step times, minutes, the steps it went on from) and what
-trained it: the recipe, the number of processes, MXNet and this package's code. A
-checkpoint goes on only under the same, otherwise every rank stops with the fix; so a
-run never mixes two recipes, batches or codes."""
+trained it, taken when the run started: the recipe, the number of processes, MXNet
+and the code it runs. A checkpoint goes on only under the same, otherwise every rank
+stops with the fix; so a run never mixes two recipes, global batches or codes."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -24,23 +25,36 @@ from ..train import restore
 from . import resume
 from .recipe import Recipe, recipe_record, same_recipe
 
-PROGRESS_KEYS = ("losses", "seconds", "wall", "resumed_at", "trained_by")
+PACKAGE = Path(__file__).resolve().parents[1]
+KERNEL_SOURCES = ("pfc/kernels/*.cc", "pfc/kernels/*.h")
+"""Compiled when first used (pfc/kernels), so hashed as sources."""
+DESCRIBED = {"recipe": "recipe", "processes": "number of processes", "mxnet": "MXNet",
+             "code": "code"}
+"""What trained_by records, as a refusal names it."""
 
 
 def trained_by(recipe: Recipe, world_size: int) -> dict:
-    """What a checkpoint of this run must have been trained by (not its folder: a run
-    moved elsewhere goes on)."""
+    """What trains this run (not its folder: a run moved elsewhere goes on). Taken
+    once, when the run has loaded its code: the files may change while it trains."""
     return {"recipe": {k: v for k, v in recipe_record(recipe).items() if k != "out"},
-            "processes": world_size, "mxnet": mx.__version__, "code": code_digest()}
+            "processes": world_size, "mxnet": mx.__version__,
+            "code": code_digest(loaded_code(), PACKAGE)}
 
 
-def code_digest() -> str:
-    """A hash of this package's code (Python and the C++ kernels)."""
-    package = Path(__file__).resolve().parents[1]
+def loaded_code() -> list[Path]:
+    """This package's modules the process has imported (`python -m`'s __main__ too),
+    and the kernels' sources."""
+    files = [Path(module.__file__).resolve() for module in list(sys.modules.values())
+             if isinstance(getattr(module, "__file__", None), str)]
+    return [path for path in files if PACKAGE in path.parents] + [
+        path for pattern in KERNEL_SOURCES for path in PACKAGE.glob(pattern)]
+
+
+def code_digest(files: list[Path], root: Path) -> str:
+    """A hash of `files` (their paths under `root` and their bytes)."""
     digest = hashlib.sha256()
-    for path in sorted(package.rglob("*")):
-        if path.suffix in (".py", ".cc", ".h") and path.is_file():
-            digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes())
+    for path in sorted(set(files)):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
 
 
@@ -51,34 +65,45 @@ def progress_file(folder: Path, step: int) -> Path:
 def read_progress(path: Path, step: int, recipe: Recipe, trained: dict) -> dict:
     """The progress in `path` (of step `step`), if a run of `recipe` trained by
     `trained` wrote it; else a UserError naming the file, what differs and the fix."""
-    problem, progress = "", {}
+    progress = {}
     try:
         progress = json.loads(path.read_text())
-        if not isinstance(progress, dict) or any(key not in progress for key in PROGRESS_KEYS):
-            problem = f"it lacks some of {', '.join(PROGRESS_KEYS)}"
-        elif len(progress["losses"]) != step:
-            problem = f"it holds {len(progress['losses'])} losses for {step} steps"
+        problem = progress_problem(progress, step, recipe, trained)
     except (OSError, ValueError) as error:
         problem = f"it does not load ({type(error).__name__}: {error})"
-    if not problem:
-        saved = progress["trained_by"]
-        differs = [key for key in trained if key != "recipe" and saved.get(key) != trained[key]]
-        if not same_recipe({**saved.get("recipe", {}), "out": str(recipe.out)}, recipe):
-            differs.insert(0, "recipe")
-        problem = f"it was trained by another {' and '.join(differs)}" if differs else ""
     if problem:
         raise UserError(f"cannot go on from {path}: {problem}; remove {path.parent} to "
                         "train this run from the beginning")
     return progress
 
 
-def go_on_from(run: SimpleNamespace, recipe: Recipe) -> tuple[TrainState, dict]:
+def progress_problem(progress, step: int, recipe: Recipe, trained: dict) -> str:
+    """What keeps a run of `recipe`, trained by `trained`, from going on with this
+    progress of step `step` ("" if nothing)."""
+    kinds = {"losses": list, "seconds": list, "wall": (int, float), "resumed_at": list,
+             "trained_by": dict}
+    if not isinstance(progress, dict) or not all(isinstance(progress.get(key), kind)
+                                                 for key, kind in kinds.items()):
+        return f"it lacks some of {', '.join(kinds)}"
+    if len(progress["losses"]) != step:
+        return f"it holds {len(progress['losses'])} losses for {step} steps"
+    saved = progress["trained_by"]
+    differs = [key for key in trained if key != "recipe" and saved.get(key) != trained[key]]
+    recipe_saved = saved.get("recipe")
+    if not isinstance(recipe_saved, dict) or not same_recipe(
+            {**recipe_saved, "out": str(recipe.out)}, recipe):
+        differs.insert(0, "recipe")
+    return ("it was trained by another " + ", another ".join(DESCRIBED[key] for key in differs)
+            if differs else "")
+
+
+def go_on_from(run: SimpleNamespace, recipe: Recipe, trained: dict) -> tuple[TrainState, dict]:
     """Where the arm stands and its progress ({"losses", "seconds", "wall",
-    "resumed_at"}): the newest checkpoint in the run's folder that verifies, if this
-    run's recipe, processes and code trained it (every progress file there is checked
-    before any is loaded); the beginning if none. Every rank stops alike on a refusal."""
+    "resumed_at"}): the newest checkpoint in the run's folder that verifies, if a run
+    trained by `trained` saved it (every progress file there is checked before any
+    is loaded); else the beginning, progress files of a start that saved no checkpoint
+    removed. Every rank stops alike on a refusal."""
     folder, world = resume.ours_folder(recipe.out), run.world
-    trained = trained_by(recipe, world.size)
     saved = dist.allgather_object(bool(checkpoint.checkpoints(folder)), name="parity.saved")[0]
     if saved:
         dist.run_agreed(lambda: [read_progress(path, int(path.stem.split("-")[1]), recipe,
@@ -86,6 +111,10 @@ def go_on_from(run: SimpleNamespace, recipe: Recipe) -> tuple[TrainState, dict]:
                                  for path in sorted(folder.glob("progress-*.json"))],
                         "parity.trained_by", (UserError,), UserError,
                         f"cannot read the progress files in {folder}")
+    else:
+        dist.run_agreed(lambda: remove_progress(folder), "parity.progress.stray", (),
+                        UserError, f"cannot remove progress files in {folder}",
+                        on=world.is_main)
     state, notes = restore(run.config, world, run.ctx, folder, run.net, run.trainer,
                            run.pfc, run.validator, str(folder) if saved else None, None)
     if not saved:
@@ -100,11 +129,12 @@ def go_on_from(run: SimpleNamespace, recipe: Recipe) -> tuple[TrainState, dict]:
         "resumed_at": [*progress["resumed_at"], state.step]}
 
 
-def save(run: SimpleNamespace, recipe: Recipe, state: TrainState, progress: dict) -> None:
+def save(run: SimpleNamespace, recipe: Recipe, state: TrainState, progress: dict,
+         trained: dict) -> None:
     """The trainer's checkpoint of `state` (the newest only), after its progress: a
     checkpoint that verifies always has its progress file."""
     folder = resume.ours_folder(recipe.out)
-    record = json.dumps({**progress, "trained_by": trained_by(recipe, run.world.size)})
+    record = json.dumps({**progress, "trained_by": trained})
 
     def write_progress() -> None:
         folder.mkdir(parents=True, exist_ok=True)
@@ -116,11 +146,13 @@ def save(run: SimpleNamespace, recipe: Recipe, state: TrainState, progress: dict
                     on=run.world.is_main)
     checkpoint.save(folder, state, run.net, run.trainer, run.pfc, run.validator, run.world,
                     keep=1)
+    dist.run_agreed(lambda: remove_progress(folder, keep=state.step), "parity.progress.prune",
+                    (), UserError, f"cannot remove older progress files in {folder}",
+                    on=run.world.is_main)
 
-    def remove_older() -> None:
-        for old in folder.glob("progress-*.json"):
-            if old != progress_file(folder, state.step):
-                old.unlink()
 
-    dist.run_agreed(remove_older, "parity.progress.prune", (), UserError,
-                    f"cannot remove older progress files in {folder}", on=run.world.is_main)
+def remove_progress(folder: Path, keep: int | None = None) -> None:
+    """The progress files in `folder` but that of step `keep` (all if None)."""
+    for path in folder.glob("progress-*.json"):
+        if keep is None or path != progress_file(folder, keep):
+            path.unlink()

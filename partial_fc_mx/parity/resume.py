@@ -5,7 +5,8 @@ state to its own file (durable.write_atomically: a file present is complete); a 
 started again in the same folder goes on from the latest step for which every rank's
 file is there, and the older files are removed once the next set is complete. Only
 the file names are decided here, so the rule is tested without torch. Ours saves the
-trainer's own checkpoints (run/checkpoint.py) in a folder of the run's (ours.py)."""
+trainer's own checkpoints (run/checkpoint.py) in a folder of the run's
+(ours_resume.py)."""
 
 from __future__ import annotations
 
