@@ -295,8 +295,9 @@ def test_our_arm_killed_mid_run_goes_on_from_its_last_checkpoint_as_if_never_sto
     """SIGKILLed (every process) right after its first checkpoint, the arm started again
     on its folder ends as a run never stopped: the same embeddings at every evaluation
     and the same losses, bit for bit (both bring every center row current at each save;
-    sample_rate 0.5, so the sampler's stream must go on where it stood). Started on
-    another number of processes first, it refuses the checkpoint."""
+    sample_rate 0.5, so the sampler's stream must go on where it stood). Started first
+    without the checkpoint's progress file, then on another number of processes, it
+    refuses the checkpoint."""
     def recipe(name: str) -> Recipe:
         return Recipe(small_task, tmp_path / name, sample_rate=0.5, epochs=50, batch_size=16,
                       hidden=32, embedding_size=16, evaluations=3)  # 7 steps an epoch
@@ -317,6 +318,12 @@ def test_our_arm_killed_mid_run_goes_on_from_its_last_checkpoint_as_if_never_sto
     assert not (tmp_path / "killed" / "log.json").is_file(), "it finished before the kill"
     step = max(int(path.name.split("_")[1]) for path in saves.glob("step_*"))
     assert step in (117, 233), step  # both mid-epoch; 233 if the poll was slow
+    progress = resume.ours_folder(tmp_path / "killed") / f"progress-{step:06d}.json"
+    progress.rename(progress.with_suffix(".away"))  # a checkpoint without its progress
+    lost = run(arm("killed"), timeout=300)
+    assert lost.returncode != 0
+    assert f"cannot go on from {progress}: it does not load (FileNotFoundError" in lost.stdout
+    progress.with_suffix(".away").rename(progress)
     other = run(arm("killed", processes=1), timeout=300)  # another global batch: refused
     assert other.returncode != 0
     assert "it was trained by another number of processes" in other.stdout, other.stdout[-3000:]

@@ -37,7 +37,7 @@ from .recipe import (
     check_network,
     evaluation_steps,
     from_args,
-    recipe_record,
+    recipe_wherever,
     write_log,
 )
 from .task import INPUT, as_input, input_batches, load_task, rank_rows, steps_per_epoch
@@ -131,8 +131,7 @@ def trained_by(torch, recipe: Recipe, arcface_torch: Path) -> dict[str, str]:
     code = hashlib.sha256()
     for path in [arcface_torch.resolve() / name for name in FILES] + [Path(__file__)]:
         code.update(path.read_bytes())
-    record = {name: value for name, value in recipe_record(recipe).items() if name != "out"}
-    return {"recipe": json.dumps(record), "torch": str(torch.__version__),
+    return {"recipe": json.dumps(recipe_wherever(recipe)), "torch": str(torch.__version__),
             "code": code.hexdigest()}
 
 

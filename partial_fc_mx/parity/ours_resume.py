@@ -23,7 +23,7 @@ from ..run import checkpoint
 from ..run.checkpoint import TrainState
 from ..train import restore
 from . import resume
-from .recipe import Recipe, recipe_record, same_recipe
+from .recipe import Recipe, recipe_wherever, same_recipe
 
 PACKAGE = Path(__file__).resolve().parents[1]
 KERNEL_SOURCES = ("pfc/kernels/*.cc", "pfc/kernels/*.h")
@@ -36,7 +36,7 @@ DESCRIBED = {"recipe": "recipe", "processes": "number of processes", "mxnet": "M
 def trained_by(recipe: Recipe, world_size: int) -> dict:
     """What trains this run (not its folder: a run moved elsewhere goes on). Taken
     once, when the run has loaded its code: the files may change while it trains."""
-    return {"recipe": {k: v for k, v in recipe_record(recipe).items() if k != "out"},
+    return {"recipe": recipe_wherever(recipe),
             "processes": world_size, "mxnet": mx.__version__,
             "code": code_digest(loaded_code(), PACKAGE)}
 
@@ -60,6 +60,11 @@ def code_digest(files: list[Path], root: Path) -> str:
 
 def progress_file(folder: Path, step: int) -> Path:
     return folder / f"progress-{step:06d}.json"
+
+
+def step_of(path: Path) -> int:
+    """The step of a progress file (progress_file's name)."""
+    return int(path.stem.split("-")[1])
 
 
 def read_progress(path: Path, step: int, recipe: Recipe, trained: dict) -> dict:
@@ -105,12 +110,13 @@ def go_on_from(run: SimpleNamespace, recipe: Recipe, trained: dict) -> tuple[Tra
     removed. Every rank stops alike on a refusal."""
     folder, world = resume.ours_folder(recipe.out), run.world
     saved = dist.allgather_object(bool(checkpoint.checkpoints(folder)), name="parity.saved")[0]
+    checked = {}
     if saved:
-        dist.run_agreed(lambda: [read_progress(path, int(path.stem.split("-")[1]), recipe,
-                                               trained)
-                                 for path in sorted(folder.glob("progress-*.json"))],
-                        "parity.trained_by", (UserError,), UserError,
-                        f"cannot read the progress files in {folder}")
+        checked = dist.run_agreed(lambda: {
+            step_of(path): read_progress(path, step_of(path), recipe, trained)
+            for path in sorted(folder.glob("progress-*.json"))},
+            "parity.trained_by", (UserError,), UserError,
+            f"cannot read the progress files in {folder}")
     else:
         dist.run_agreed(lambda: remove_progress(folder), "parity.progress.stray", (),
                         UserError, f"cannot remove progress files in {folder}",
@@ -119,9 +125,10 @@ def go_on_from(run: SimpleNamespace, recipe: Recipe, trained: dict) -> tuple[Tra
                            run.pfc, run.validator, str(folder) if saved else None, None)
     if not saved:
         return state, {"losses": [], "seconds": [], "wall": 0.0, "resumed_at": []}
-    progress = dist.run_agreed(
-        lambda: read_progress(progress_file(folder, state.step), state.step, recipe,
-                              trained), "parity.progress", (UserError,), UserError,
+    progress = dist.run_agreed(  # a checkpoint with no progress file: refused, with it
+        lambda: checked.get(state.step) or read_progress(
+            progress_file(folder, state.step), state.step, recipe, trained),
+        "parity.progress", (UserError,), UserError,
         f"cannot read the progress of step {state.step} in {folder}")
     if world.is_main:
         print(f"going on from step {state.step}: {'; '.join(notes)}", flush=True)

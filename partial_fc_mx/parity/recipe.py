@@ -129,6 +129,12 @@ def recipe_record(recipe: Recipe) -> dict[str, str]:
     return {name: str(value) for name, value in vars(recipe).items()}
 
 
+def recipe_wherever(recipe: Recipe) -> dict[str, str]:
+    """recipe_record without the run's folder: what a resumed run must share with the
+    start that saved its state (a run moved elsewhere goes on)."""
+    return {name: value for name, value in recipe_record(recipe).items() if name != "out"}
+
+
 def same_recipe(saved: dict, recipe: Recipe) -> bool:
     """Whether a run whose files keep `saved` (recipe_record) trained `recipe`. A field
     the record lacks (added to the recipe since) counts as its default, which is what
