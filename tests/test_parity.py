@@ -33,7 +33,6 @@ from partial_fc_mx.parity.__main__ import (
     scored,
     table,
 )
-from partial_fc_mx.parity.images import SHARED
 from partial_fc_mx.parity.ours_resume import (
     PACKAGE,
     code_digest,
@@ -56,7 +55,7 @@ from partial_fc_mx.prep.synthetic import identity_images
 
 SMALL = Task(classes=60, per_class=4, heldout=40, heldout_per_class=3, pairs=60)
 IMAGES = Task(classes=10, per_class=2, heldout=10, heldout_per_class=2, pairs=10,
-              kind="images")
+              kind="images", shared=0.8)
 
 
 @pytest.fixture(scope="module")
@@ -72,13 +71,13 @@ def images_task(tmp_path_factory) -> Path:
 def test_the_images_task_holds_the_look_alike_faces_as_our_loader_decodes_them(
         images_task, tmp_path):
     data = load_task(images_task)
-    assert images_task.name == "images10x2-heldout10x2-seed0"
+    assert images_task.name == "images10x2-shared0.8-heldout10x2-seed0"
     assert data["train_x"].shape == (20, 112, 112, 3) and data["train_x"].dtype == np.uint8
     np.testing.assert_array_equal(data["train_y"], np.arange(10).repeat(2))
     np.testing.assert_array_equal(data["heldout_y"], np.arange(10).repeat(2))
-    fourth = [decode_face(jpeg)[0] for jpeg in identity_images(0, 3, 2, SHARED)]
+    fourth = [decode_face(jpeg)[0] for jpeg in identity_images(0, 3, 2, 0.8)]
     np.testing.assert_array_equal(data["train_x"][6:8], np.stack(fourth))
-    first_heldout = [decode_face(jpeg)[0] for jpeg in identity_images(0, 10, 2, SHARED)]
+    first_heldout = [decode_face(jpeg)[0] for jpeg in identity_images(0, 10, 2, 0.8)]
     np.testing.assert_array_equal(data["heldout_x"][:2], np.stack(first_heldout))
     again = load_task(write_task(IMAGES, tmp_path))  # from the seed alone
     np.testing.assert_array_equal(again["train_x"], data["train_x"])
@@ -109,6 +108,7 @@ def test_the_study_gives_each_task_its_recipe():
     from partial_fc_mx.parity.__main__ import (
         ARMS,
         IMAGES_HELDOUT,
+        IMAGES_SHARED,
         arm_recipe,
         recipe_changes,
         task_of,
@@ -129,6 +129,10 @@ def test_the_study_gives_each_task_its_recipe():
     assert arm_recipe(ARMS["ours-exact"], base, 0, 1.0, latent).prelu == "mxnet"
     assert recipe_changes(Namespace(kind="images", epochs=2, network="mbf"))["epochs"] == 2
     assert task_of("images", 3000, 8, 0).heldout == IMAGES_HELDOUT
+    assert task_of("images", 3000, 8, 0).shared == IMAGES_SHARED
+    assert "shared" not in task_of("latent", 3000, 8, 0).name  # its runs keep their folders
+    assert task_of("images", 3000, 8, 0).name != replace(task_of("images", 3000, 8, 0),
+                                                          shared=0.6).name
     with pytest.raises(SystemExit, match="task kind 'video'"):
         write_task(Task(10, kind="video"), Path("/nonexistent"))
 

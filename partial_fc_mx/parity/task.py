@@ -60,10 +60,14 @@ class Task:
     seed: int = 0
     kind: str = "latent"
     """One of KINDS."""
+    shared: float = 0.0
+    """Images: the fraction of every identity's picture common to all (images.py);
+    in the folder's name, so that data of another fraction is never taken for it."""
 
     @property
     def name(self) -> str:
-        return (f"{self.kind}{self.classes}x{self.per_class}-heldout{self.heldout}"
+        shared = f"-shared{self.shared:g}" if self.kind == "images" else ""
+        return (f"{self.kind}{self.classes}x{self.per_class}{shared}-heldout{self.heldout}"
                 f"x{self.heldout_per_class}-seed{self.seed}")
 
 
@@ -159,9 +163,9 @@ def make_samples(task: Task) -> tuple[np.ndarray, ...]:
     if task.kind == "images":
         from .images import samples as image_samples  # MXNet's environment only: prep/
 
-        return (*image_samples(task.seed, range(task.classes), task.per_class),
+        return (*image_samples(task.seed, range(task.classes), task.per_class, task.shared),
                 *image_samples(task.seed, range(task.classes, task.classes + task.heldout),
-                               task.heldout_per_class))
+                               task.heldout_per_class, task.shared))
     rng = np.random.default_rng([task.seed, 2038])
     apply = random_map(rng)
     points = identity_points(rng, task.classes + task.heldout)
