@@ -88,7 +88,7 @@ IMAGES_RECIPE = {"embedding_size": 512, "batch_size": 64, "epochs": 4, "evaluati
                  "prelu": "kernel"}
 """The images task's recipe, where it differs from the scale task's: arcface_torch's
 512-d embedding, the batch and epochs of the earlier sampling study (748 steps; an mbf
-step of ours about 8.4 s on this 2-core machine, arcface_torch's 7.0 s:
+step of ours 8.6-9.0 s on this 2-core machine, arcface_torch's 7.0 s:
 docs/parity.md), and ours' PReLU as the trainer computes it on a CPU."""
 IMAGES_HELDOUT = 600
 """Held-out identities of the images task (x 5 images: 4.5 million pairs, of which
@@ -96,7 +96,8 @@ IMAGES_HELDOUT = 600
 IMAGES_SHARED = 0.8
 """How alike the images task's identities are (Task.shared). The earlier sampling
 study's 0.6 is too easy for `mbf`: 150 steps in, TAR@FAR=1e-3 was already 0.99, where
-no difference between arms can show; at 0.8 it was 0.10 there (docs/parity.md)."""
+no difference between arms can show; at 0.8 it was 0.10 there and 0.92 at step 299
+(docs/parity.md)."""
 
 
 def task_of(kind: str, classes: int, per_class: int, seed: int) -> Task:

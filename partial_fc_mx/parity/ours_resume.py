@@ -34,7 +34,7 @@ DESCRIBED = {"recipe": "recipe", "processes": "number of processes", "mxnet": "M
 
 
 def trained_by(recipe: Recipe, world_size: int) -> dict:
-    """What trains this run (not its folder: a run moved elsewhere goes on). Taken
+    """What trains this run (not its folder: recipe_wherever). Taken
     once, when the run has loaded its code: the files may change while it trains."""
     return {"recipe": recipe_wherever(recipe),
             "processes": world_size, "mxnet": mx.__version__,
@@ -62,7 +62,7 @@ def progress_file(folder: Path, step: int) -> Path:
     return folder / f"progress-{step:06d}.json"
 
 
-def step_of(path: Path) -> int:
+def progress_step(path: Path) -> int:
     """The step of a progress file (progress_file's name)."""
     return int(path.stem.split("-")[1])
 
@@ -113,7 +113,7 @@ def go_on_from(run: SimpleNamespace, recipe: Recipe, trained: dict) -> tuple[Tra
     checked = {}
     if saved:
         checked = dist.run_agreed(lambda: {
-            step_of(path): read_progress(path, step_of(path), recipe, trained)
+            progress_step(path): read_progress(path, progress_step(path), recipe, trained)
             for path in sorted(folder.glob("progress-*.json"))},
             "parity.trained_by", (UserError,), UserError,
             f"cannot read the progress files in {folder}")
@@ -125,8 +125,8 @@ def go_on_from(run: SimpleNamespace, recipe: Recipe, trained: dict) -> tuple[Tra
                            run.pfc, run.validator, str(folder) if saved else None, None)
     if not saved:
         return state, {"losses": [], "seconds": [], "wall": 0.0, "resumed_at": []}
-    progress = dist.run_agreed(  # a checkpoint with no progress file: refused, with it
-        lambda: checked.get(state.step) or read_progress(
+    progress = dist.run_agreed(  # read again only to refuse a checkpoint without one
+        lambda: checked[state.step] if state.step in checked else read_progress(
             progress_file(folder, state.step), state.step, recipe, trained),
         "parity.progress", (UserError,), UserError,
         f"cannot read the progress of step {state.step} in {folder}")

@@ -131,7 +131,8 @@ def recipe_record(recipe: Recipe) -> dict[str, str]:
 
 def recipe_wherever(recipe: Recipe) -> dict[str, str]:
     """recipe_record without the run's folder: what a resumed run must share with the
-    start that saved its state (a run moved elsewhere goes on)."""
+    start that saved its state (a run's folder moved elsewhere, its task's where it
+    was, goes on)."""
     return {name: value for name, value in recipe_record(recipe).items() if name != "out"}
 
 
