@@ -96,8 +96,9 @@ IMAGES_HELDOUT = 600
 IMAGES_SHARED = 0.8
 """How alike the images task's identities are (Task.shared). The earlier sampling
 study's 0.6 is too easy for `mbf`: 150 steps in, TAR@FAR=1e-3 was already 0.99, where
-no difference between arms can show; at 0.8 it was 0.10 there and 0.92 at step 299
-(docs/parity.md)."""
+no difference between arms can show. 0.8 only delays that (0.10 there, the ceiling
+again at the run's end: docs/parity.md); kept, the better of the two, until the task
+is made harder."""
 
 
 def task_of(kind: str, classes: int, per_class: int, seed: int) -> Task:

@@ -137,7 +137,8 @@ def write_task(task: Task, folder: Path) -> Path:
     drawn from their own generator, so that they can be drawn again alone)."""
     if task.kind not in KINDS:
         raise SystemExit(f"task kind {task.kind!r}: one of {', '.join(KINDS)}")
-    if not (0 <= task.shared < 1 if task.kind == "images" else task.shared == 0):
+    fraction_allowed = 0 <= task.shared < 1 if task.kind == "images" else task.shared == 0
+    if not fraction_allowed:
         raise SystemExit(f"shared={task.shared}: the fraction of an image common to all "
                          "identities, in [0, 1), and only for the images task")
     if task.classes % FAMILY or task.heldout % FAMILY:
