@@ -1,11 +1,13 @@
 """The images task: the synthetic look-alike identities of prep/synthetic.py (each a
-random picture, a fraction of it, the task's `shared`, one picture common to all),
-every image encoded as JPEG and decoded as our loader decodes a record, stored once as
-uint8 arrays that both toolkits read. No augmentation in either arm: both see exactly
-these pixels, in the same order.
+random picture, a fraction of it, the task's `shared`, one picture common to all), in
+families of task.FAMILY whose members share the task's `kin` of the rest, every image
+encoded as JPEG and decoded as our loader decodes a record, stored once as uint8 arrays
+that both toolkits read. No augmentation in either arm: both see exactly these pixels,
+in the same order.
 
-Identities here come in no families: the pair list's "family" impostors (task.py)
-are simply identities with nearby ids, as likely alike as any two.
+The families are the scale task's: identities FAMILY by FAMILY from 0 (the held-out
+ones from the first after training's, a multiple of FAMILY), so that half of the pair
+list's impostors are family members (task.py), the pairs that are hard to tell apart.
 """
 
 from __future__ import annotations
@@ -14,15 +16,17 @@ import numpy as np
 
 from ..data.transforms import FACE_SIZE, decode_face
 from ..prep.synthetic import identity_images
+from .task import FAMILY
 
 
-def samples(seed: int, classes: range, per_class: int,
-            shared: float) -> tuple[np.ndarray, np.ndarray]:
+def samples(seed: int, classes: range, per_class: int, shared: float,
+            kin: float) -> tuple[np.ndarray, np.ndarray]:
     """`per_class` decoded images of every identity of `classes`, class by class, each
-    identity's picture `shared` the one common to all: (images N x 112 x 112 x 3 uint8,
-    labels 0 .. len(classes) - 1)."""
+    identity's picture `shared` the one common to all and `kin` of the rest its
+    family's: (images N x 112 x 112 x 3 uint8, labels 0 .. len(classes) - 1)."""
     images = np.empty((len(classes) * per_class, FACE_SIZE, FACE_SIZE, 3), np.uint8)
     for index, class_id in enumerate(classes):
-        for view, encoded in enumerate(identity_images(seed, class_id, per_class, shared)):
+        faces = identity_images(seed, class_id, per_class, shared, kin, FAMILY)
+        for view, encoded in enumerate(faces):
             images[index * per_class + view] = decode_face(encoded)[0]
     return images, np.arange(len(classes)).repeat(per_class).astype(np.int64)

@@ -63,10 +63,14 @@ class Task:
     shared: float = 0.0
     """Images: the fraction of every identity's picture common to all (images.py);
     in the folder's name, so that data of another fraction is never taken for it."""
+    kin: float = 0.0
+    """Images: the fraction of the rest that a family's members share (images.py);
+    in the folder's name when not 0 (the folders made before it had none)."""
 
     @property
     def name(self) -> str:
-        shared = f"-shared{self.shared:g}" if self.kind == "images" else ""
+        kin = f"-kin{self.kin:g}" if self.kin else ""
+        shared = f"-shared{self.shared:g}{kin}" if self.kind == "images" else ""
         return (f"{self.kind}{self.classes}x{self.per_class}{shared}-heldout{self.heldout}"
                 f"x{self.heldout_per_class}-seed{self.seed}")
 
@@ -137,10 +141,13 @@ def write_task(task: Task, folder: Path) -> Path:
     drawn from their own generator, so that they can be drawn again alone)."""
     if task.kind not in KINDS:
         raise SystemExit(f"task kind {task.kind!r}: one of {', '.join(KINDS)}")
-    fraction_allowed = 0 <= task.shared < 1 if task.kind == "images" else task.shared == 0
-    if not fraction_allowed:
-        raise SystemExit(f"shared={task.shared}: the fraction of an image common to all "
-                         "identities, in [0, 1), and only for the images task")
+    for field, what in (("shared", "common to all identities"),
+                        ("kin", "common to a family's members")):
+        fraction = getattr(task, field)
+        fraction_allowed = 0 <= fraction < 1 if task.kind == "images" else fraction == 0
+        if not fraction_allowed:
+            raise SystemExit(f"{field}={fraction}: the fraction of an image {what}, in "
+                             "[0, 1), and only for the images task")
     if task.classes % FAMILY or task.heldout % FAMILY:
         raise SystemExit(f"{task.classes} training and {task.heldout} held-out identities: "
                          f"both must be multiples of {FAMILY}, the family size, so that no "
@@ -167,9 +174,10 @@ def make_samples(task: Task) -> tuple[np.ndarray, ...]:
     if task.kind == "images":
         from .images import samples as image_samples  # MXNet's environment only: prep/
 
-        return (*image_samples(task.seed, range(task.classes), task.per_class, task.shared),
+        likeness = (task.shared, task.kin)
+        return (*image_samples(task.seed, range(task.classes), task.per_class, *likeness),
                 *image_samples(task.seed, range(task.classes, task.classes + task.heldout),
-                               task.heldout_per_class, task.shared))
+                               task.heldout_per_class, *likeness))
     rng = np.random.default_rng([task.seed, 2038])
     apply = random_map(rng)
     points = identity_points(rng, task.classes + task.heldout)

@@ -12,7 +12,9 @@ Unrelated random pictures are easy to tell apart: a small network verifies them
 perfectly. Real faces resemble each other; `shared` makes that so here, each
 prototype being that fraction one picture common to all identities (of the seed),
 which leaves less of the image to tell people apart by, and a verification score
-that can still show differences between recipes.
+that can still show differences between recipes. Relatives and look-alikes resemble
+each other more than strangers do: `kin` makes families of identities that share
+that fraction of their own part of the picture.
 """
 
 from __future__ import annotations
@@ -66,12 +68,25 @@ def common_face(seed: int) -> np.ndarray:
     return prototype(np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(1,))))
 
 
-def identity_images(seed: int, class_id: int, count: int, shared: float = 0.0) -> list[bytes]:
+@functools.lru_cache(maxsize=4)
+def family_face(seed: int, family: int) -> np.ndarray:
+    """The picture the members of one look-alike family share a part of."""
+    return prototype(np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(2, family))))
+
+
+def identity_images(seed: int, class_id: int, count: int, shared: float = 0.0,
+                    kin: float = 0.0, family_size: int = 10) -> list[bytes]:
+    """`count` JPEG images of identity `class_id`. Its picture: its own prototype, `kin`
+    of it its family's picture (identities `family_size` by family_size from 0 are
+    families), then `shared` of that the picture common to all; blended in float64 and
+    rounded once, so that kin = 0 gives the pictures it always gave."""
     rng = np.random.default_rng([seed, class_id])
-    face = prototype(rng)
+    face = prototype(rng).astype(np.float64)
+    if kin:
+        face = kin * family_face(seed, class_id // family_size) + (1 - kin) * face
     if shared:
-        face = np.rint(shared * common_face(seed) + (1 - shared) * face.astype(np.float64))
-        face = face.astype(np.uint8)
+        face = shared * common_face(seed) + (1 - shared) * face
+    face = np.rint(face).astype(np.uint8)
     return [encode_jpeg(variation(face, rng), quality=90) for _ in range(count)]
 
 
