@@ -316,6 +316,25 @@ def test_synthetic_identities_are_reproducible_and_distinct(tmp_path):
     assert labels == [c for c in range(40) for _ in range(3)]
 
 
+def test_kin_makes_families_of_look_alikes():
+    """`kin` blends a family's picture into its members' own: family mates (ids
+    family_size by family_size) get closer than strangers, and 0 changes nothing. Each
+    identity's mean view, so that its variation does not hide the likeness."""
+    def mates_over_strangers(kin: float) -> float:
+        mean_view = {c: np.mean([decode_face(b)[0].astype(float)
+                                 for b in identity_images(5, c, 6, 0.6, kin, 4)], axis=0)
+                     for c in range(12)}
+
+        def distance(pairs: list) -> float:
+            return np.mean([np.abs(mean_view[a] - mean_view[b]).mean() for a, b in pairs])
+
+        return (distance([(0, 1), (0, 3), (4, 5), (5, 7), (8, 11), (9, 10), (1, 2), (6, 7)])
+                / distance([(3, 4), (0, 4), (7, 8), (1, 9), (2, 6), (5, 11), (3, 8), (2, 10)]))
+
+    assert mates_over_strangers(0.8) < 0.85 and mates_over_strangers(0.0) > 0.9
+    assert identity_images(5, 2, 2, 0.6, 0.0) == identity_images(5, 2, 2, 0.6)
+
+
 def test_shared_synthetic_identities_look_alike_by_that_fraction():
     """`shared` blends one common picture into every prototype: identities get closer
     (the study's harder set), their own variation stays, and 0 changes nothing."""

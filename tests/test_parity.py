@@ -55,7 +55,7 @@ from partial_fc_mx.prep.synthetic import identity_images
 
 SMALL = Task(classes=60, per_class=4, heldout=40, heldout_per_class=3, pairs=60)
 IMAGES = Task(classes=10, per_class=2, heldout=10, heldout_per_class=2, pairs=10,
-              kind="images", shared=0.5)
+              kind="images", shared=0.5, kin=0.5)
 
 
 @pytest.fixture(scope="module")
@@ -71,13 +71,15 @@ def images_task(tmp_path_factory) -> Path:
 def test_the_images_task_holds_the_look_alike_faces_as_our_loader_decodes_them(
         images_task, tmp_path):
     data = load_task(images_task)
-    assert images_task.name == "images10x2-shared0.5-heldout10x2-seed0"
+    assert images_task.name == "images10x2-shared0.5-kin0.5-heldout10x2-seed0"
     assert data["train_x"].shape == (20, 112, 112, 3) and data["train_x"].dtype == np.uint8
     np.testing.assert_array_equal(data["train_y"], np.arange(10).repeat(2))
     np.testing.assert_array_equal(data["heldout_y"], np.arange(10).repeat(2))
-    fourth = [decode_face(jpeg)[0] for jpeg in identity_images(0, 3, 2, IMAGES.shared)]
+    fourth = [decode_face(jpeg)[0] for jpeg in identity_images(0, 3, 2, IMAGES.shared,
+                                                             IMAGES.kin, FAMILY)]
     np.testing.assert_array_equal(data["train_x"][6:8], np.stack(fourth))
-    first_heldout = [decode_face(jpeg)[0] for jpeg in identity_images(0, 10, 2, IMAGES.shared)]
+    first_heldout = [decode_face(jpeg)[0] for jpeg in identity_images(0, 10, 2, IMAGES.shared,
+                                                                    IMAGES.kin, FAMILY)]
     np.testing.assert_array_equal(data["heldout_x"][:2], np.stack(first_heldout))
     again = load_task(write_task(IMAGES, tmp_path))  # from the seed alone
     np.testing.assert_array_equal(again["train_x"], data["train_x"])
@@ -108,6 +110,7 @@ def test_the_study_gives_each_task_its_recipe():
     from partial_fc_mx.parity.__main__ import (
         ARMS,
         IMAGES_HELDOUT,
+        IMAGES_KIN,
         IMAGES_SHARED,
         arm_recipe,
         recipe_changes,
@@ -129,14 +132,17 @@ def test_the_study_gives_each_task_its_recipe():
     assert arm_recipe(ARMS["ours-exact"], base, 0, 1.0, latent).prelu == "mxnet"
     assert recipe_changes(Namespace(kind="images", epochs=2, network="mbf"))["epochs"] == 2
     assert task_of("images", 3000, 8, 0).heldout == IMAGES_HELDOUT
-    assert task_of("images", 3000, 8, 0).shared == IMAGES_SHARED
+    images_task = task_of("images", 3000, 8, 0)
+    assert (images_task.shared, images_task.kin) == (IMAGES_SHARED, IMAGES_KIN)
     assert "shared" not in task_of("latent", 3000, 8, 0).name  # its runs keep their folders
-    assert task_of("images", 3000, 8, 0).name != replace(task_of("images", 3000, 8, 0),
-                                                          shared=0.6).name
+    for other in (replace(images_task, shared=0.7), replace(images_task, kin=0.5)):
+        assert other.name != images_task.name
     with pytest.raises(SystemExit, match="task kind 'video'"):
         write_task(Task(10, kind="video"), Path("/nonexistent"))
-    for wrong in (Task(10, kind="images", shared=1.0), Task(10, shared=0.8)):
-        with pytest.raises(SystemExit, match=f"shared={wrong.shared}: the fraction"):
+    for wrong, field in ((Task(10, kind="images", shared=1.0), "shared"),
+                         (Task(10, shared=0.8), "shared"), (Task(10, kin=0.5), "kin"),
+                         (Task(10, kind="images", kin=-0.1), "kin")):
+        with pytest.raises(SystemExit, match=f"{field}={getattr(wrong, field)}: the fraction"):
             write_task(wrong, Path("/nonexistent"))
 
 
