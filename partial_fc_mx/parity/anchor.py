@@ -110,16 +110,38 @@ def step_with_rate_inside(torch, optimizer) -> None:
 def exact_arcface(torch, scale: float, margin: float):
     """The diagnostic arm arcface_torch-exact-margin: CombinedMarginLoss's values for
     ArcFace (s cos(theta + m) on the target, s cos theta elsewhere; its labels of -1 mark
-    the rows whose class another rank holds) with autograd through the margin, where
-    the original computes it under no_grad. Past theta = pi - m it follows cos as the
-    original does (ours continues along a line there: rare after the first steps)."""
+    the rows whose class another rank holds), with the derivative of the margin, where
+    the original computes it under no_grad: s sin(theta + m) / sin(theta) on the
+    target, s elsewhere, as autograd through clamp, acos and cos gives it (0 where the
+    clamp holds the cosine). Past theta = pi - m it follows cos as the original does
+    (ours continues along a line there: rare after the first steps).
+
+    One autograd step over the whole logits (a pass forward, one back, as the
+    original's `logits * s`): written as indexing under autograd, it took 35% longer a
+    step at 100,000 identities, its backward filling and adding whole copies of them."""
+
+    class ExactArcFace(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, logits, rows, columns):
+            cosine = logits[rows, columns]
+            bound = 1 - 1e-7
+            held = cosine.clamp(-bound, bound)
+            scaled = logits * scale
+            scaled[rows, columns] = torch.cos(torch.acos(held) + margin) * scale
+            ctx.save_for_backward(rows, columns, held, (cosine.abs() <= bound))
+            return scaled
+
+        @staticmethod
+        def backward(ctx, grad):
+            rows, columns, held, inside = ctx.saved_tensors
+            slope = torch.sin(torch.acos(held) + margin) * (1 - held * held).rsqrt()
+            grad_logits = grad * scale
+            grad_logits[rows, columns] *= slope * inside
+            return grad_logits, None, None
 
     def apply(logits, labels):
         rows = torch.where(labels != -1)[0]
-        columns = labels[rows].view(-1)
-        angle = torch.acos(logits[rows, columns].clamp(-1 + 1e-7, 1 - 1e-7))
-        logits = logits.index_put((rows, columns), torch.cos(angle + margin))
-        return logits * scale
+        return ExactArcFace.apply(logits, rows, labels[rows].view(-1))
 
     return apply
 
