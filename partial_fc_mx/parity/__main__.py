@@ -100,8 +100,9 @@ so is 0.8 at the run's end (docs/parity.md): what makes the task hard is IMAGES_
 IMAGES_KIN = 0.8
 """How alike the members of a family are (Task.kin): a fifth of the rest of the
 picture, 8% of it in all, tells family members apart, 40% of what 0.8 alike left
-every identity; strangers stay as easy to tell apart as at 0.6, so that training gets a
-signal from its first steps (alike as a whole, the smallest networks stalled)."""
+every identity; strangers stay nearly as far apart as at 0.6 alone (0.33 of a picture's
+spread against 0.4), so that training gets a signal from its first steps (alike as a
+whole, the smallest networks stalled)."""
 
 
 def task_of(kind: str, classes: int, per_class: int, seed: int) -> Task:

@@ -112,9 +112,10 @@ def exact_arcface(torch, scale: float, margin: float):
     ArcFace (s cos(theta + m) on the target, s cos theta elsewhere; its labels of -1 mark
     the rows whose class another rank holds), with the derivative of the margin, where
     the original computes it under no_grad: s sin(theta + m) / sin(theta) on the
-    target, s elsewhere, as autograd through clamp, acos and cos gives it (0 where the
-    clamp holds the cosine). Past theta = pi - m it follows cos as the original does
-    (ours continues along a line there: rare after the first steps).
+    target, s elsewhere, as autograd through clamp, acos and cos gives it (0 at the
+    clamp's bounds and past them: torch's clamp passes none there). Past theta = pi - m
+    it follows cos as the original does (ours continues along a line there: rare after
+    the first steps).
 
     One autograd step over the whole logits (a pass forward, one back, as the
     original's `logits * s`): written as indexing under autograd, its backward filled
@@ -129,7 +130,7 @@ def exact_arcface(torch, scale: float, margin: float):
             held = cosine.clamp(-bound, bound)
             scaled = logits * scale
             scaled[rows, columns] = torch.cos(torch.acos(held) + margin) * scale
-            ctx.save_for_backward(rows, columns, held, (cosine.abs() <= bound))
+            ctx.save_for_backward(rows, columns, held, cosine.abs() < bound)
             return scaled
 
         @staticmethod
