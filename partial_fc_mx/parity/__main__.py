@@ -101,7 +101,7 @@ IMAGES_KIN = 0.7
 """How alike the members of a family are (Task.kin): 30% of the rest of the picture,
 12% of it in all, tells family members apart, 60% of what 0.8 alike left every
 identity. At 0.8 `mbf` did not learn to tell them apart (accuracy 0.75 all run, what
-telling none apart gives); its model scored the held-out identities of 0.7 halfway
+telling none apart gives); its model scored the held-out identities of 0.7 well
 between that and the ceiling (docs/parity.md). Strangers stay nearly as far apart as
 at 0.6 alone (0.30 of a picture's spread against 0.4), so that training gets a signal
 from its first steps (alike as a whole, the smallest networks stalled)."""
