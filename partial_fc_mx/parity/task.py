@@ -174,7 +174,7 @@ def make_samples(task: Task) -> tuple[np.ndarray, ...]:
     if task.kind == "images":
         from .images import samples as image_samples  # MXNet's environment only: prep/
 
-        likeness = (task.shared, task.kin)
+        likeness = (task.shared, task.kin, FAMILY)
         return (*image_samples(task.seed, range(task.classes), task.per_class, *likeness),
                 *image_samples(task.seed, range(task.classes, task.classes + task.heldout),
                                task.heldout_per_class, *likeness))
