@@ -63,15 +63,10 @@ def variation(face: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=4)
-def common_face(seed: int) -> np.ndarray:
-    """The picture every identity of `seed` shares a part of (made once per seed)."""
-    return prototype(np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(1,))))
-
-
-@functools.lru_cache(maxsize=4)
-def family_face(seed: int, family: int) -> np.ndarray:
-    """The picture the members of one look-alike family share a part of."""
-    return prototype(np.random.default_rng(np.random.SeedSequence(seed, spawn_key=(2, family))))
+def shared_face(seed: int, *key: int) -> np.ndarray:
+    """A picture several identities of `seed` share a part of (made once): key (1,) the
+    one common to all, (2, f) family f's."""
+    return prototype(np.random.default_rng(np.random.SeedSequence(seed, spawn_key=key)))
 
 
 def identity_images(seed: int, class_id: int, count: int, shared: float = 0.0,
@@ -83,9 +78,9 @@ def identity_images(seed: int, class_id: int, count: int, shared: float = 0.0,
     rng = np.random.default_rng([seed, class_id])
     face = prototype(rng).astype(np.float64)
     if kin:
-        face = kin * family_face(seed, class_id // family_size) + (1 - kin) * face
+        face = kin * shared_face(seed, 2, class_id // family_size) + (1 - kin) * face
     if shared:
-        face = shared * common_face(seed) + (1 - shared) * face
+        face = shared * shared_face(seed, 1) + (1 - shared) * face
     face = np.rint(face).astype(np.uint8)
     return [encode_jpeg(variation(face, rng), quality=90) for _ in range(count)]
 
