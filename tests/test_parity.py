@@ -28,6 +28,7 @@ from partial_fc_mx.parity.__main__ import (
     Result,
     begin_or_go_on,
     difference,
+    plot,
     run_arm,
     same_recipe,
     scored,
@@ -282,6 +283,23 @@ def test_the_table_gives_each_arm_mean_and_spread_and_the_difference_with_its_er
                          "arcface_torch-power1"])
     assert "| ours-exact-power1 − arcface_torch-power1 | | +0.0200 ± 0.0000" in text
     assert "ours-exact-power1 − arcface_torch |" not in text  # not across powers
+
+
+def test_each_task_draws_its_curves_into_a_figure_of_its_own(tmp_path):
+    """Both tasks have a 3,000-identity cell: the images task's curves must not replace
+    the scale task's figure that docs/parity.md shows."""
+    from partial_fc_mx.parity.scoring import Score
+
+    def result(accuracy):
+        return Result([(step, Score(accuracy, 0.01, {1e-3: accuracy, 1e-4: 0.5}))
+                       for step in (10, 20)], 1.0, 5)
+
+    cells = {(3000, 0.1): {"ours-exact": [result(0.9)]}}
+    plot(cells, ["ours-exact"], tmp_path, "latent")
+    scale_figure = (tmp_path / "c3000-r0.1.png").read_bytes()
+    plot(cells, ["ours-exact"], tmp_path, "images")
+    assert (tmp_path / "images-c3000-r0.1.png").is_file()
+    assert (tmp_path / "c3000-r0.1.png").read_bytes() == scale_figure
 
 
 def test_our_arm_trains_for_real_and_its_embeddings_are_scored(small_task, tmp_path):

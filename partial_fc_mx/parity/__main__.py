@@ -269,7 +269,13 @@ def table(cells: dict, arms: list[str]) -> str:
     return "\n".join(rows)
 
 
-def plot(cells: dict, arms: list[str], folder: Path) -> None:
+def figure_name(kind: str, classes: int, rate: float) -> str:
+    """The scale task's figures keep the names docs/parity.md shows; the images task's
+    are named apart, since both tasks have a 3,000-identity cell."""
+    return f"{'' if kind == 'latent' else kind + '-'}c{classes}-r{rate:g}.png"
+
+
+def plot(cells: dict, arms: list[str], folder: Path, kind: str) -> None:
     """TAR@FAR=1e-3 and accuracy along the run, each arm's mean over seeds, one figure
     per (classes, rate)."""
     from ..evaluation.drawing import pyplot
@@ -285,10 +291,10 @@ def plot(cells: dict, arms: list[str], folder: Path) -> None:
                 curve = np.mean([[METRICS[metric](s) for _, s in r.scores] for r in runs], 0)
                 axis.plot(steps, curve, marker="o", label=name)
                 axis.set_xlabel("step")
-                axis.set_title(f"{metric}, C = {classes:,}, r = {rate:g}")
+                axis.set_title(f"{metric}, {kind}, C = {classes:,}, r = {rate:g}")
         axes[0].legend()
         figure.tight_layout()
-        figure.savefig(folder / f"c{classes}-r{rate:g}.png", dpi=80)
+        figure.savefig(folder / figure_name(kind, classes, rate), dpi=80)
         plt.close(figure)
 
 
@@ -345,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"{(time.perf_counter() - started) / 60:.1f} min here)", flush=True)
     print(table(cells, args.arms))
     if args.plot:
-        plot(cells, args.arms, args.plot)
+        plot(cells, args.arms, args.plot, args.kind)
     return 0
 
 
