@@ -291,7 +291,8 @@ def plot(cells: dict, arms: list[str], folder: Path, kind: str) -> None:
                 curve = np.mean([[METRICS[metric](s) for _, s in r.scores] for r in runs], 0)
                 axis.plot(steps, curve, marker="o", label=name)
                 axis.set_xlabel("step")
-                axis.set_title(f"{metric}, {kind}, C = {classes:,}, r = {rate:g}")
+                axis.set_title(f"{metric}, {'scale' if kind == 'latent' else kind}, "
+                               f"C = {classes:,}, r = {rate:g}")
         axes[0].legend()
         figure.tight_layout()
         figure.savefig(folder / figure_name(kind, classes, rate), dpi=80)
