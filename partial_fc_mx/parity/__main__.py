@@ -88,7 +88,7 @@ IMAGES_RECIPE = {"embedding_size": 512, "batch_size": 64, "epochs": 4, "evaluati
                  "prelu": "kernel"}
 """The images task's recipe, where it differs from the scale task's: arcface_torch's
 512-d embedding, the batch and epochs of the earlier sampling study (748 steps; an mbf
-step of ours 6.6 s on this 2-core machine alone, arcface_torch's 7.0 s: docs/parity.md),
+step of ours 6.6 s on this 2-core machine alone, arcface_torch's about 9: docs/parity.md),
 and ours' PReLU as the trainer computes it on a CPU."""
 IMAGES_HELDOUT = 600
 """Held-out identities of the images task (x 5 images: 4.5 million pairs, of which
