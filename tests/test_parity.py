@@ -265,12 +265,15 @@ def test_a_recipe_survives_its_command_line():
     assert evaluation_steps(3, 10) == [1, 2, 3]
 
 
-def test_the_table_gives_each_arm_mean_and_spread_and_the_difference_with_its_error():
+def result(accuracy: float, steps: tuple[int, ...] = (10,)) -> Result:
+    """A run scored `accuracy` (and 0.1 less TAR at 1e-3) at each of `steps`."""
     from partial_fc_mx.parity.scoring import Score
 
-    def result(accuracy):
-        return Result([(10, Score(accuracy, 0.01, {1e-3: accuracy - 0.1, 1e-4: 0.5}))], 1.0, 5)
+    return Result([(step, Score(accuracy, 0.01, {1e-3: accuracy - 0.1, 1e-4: 0.5}))
+                   for step in steps], 1.0, 5)
 
+
+def test_the_table_gives_each_arm_mean_and_spread_and_the_difference_with_its_error():
     cells = {(3000, 0.1): {"ours-exact": [result(0.90), result(0.92)],
                            "arcface_torch": [result(0.88), result(0.90)]}}
     text = table(cells, ["ours-exact", "arcface_torch"])
@@ -288,13 +291,7 @@ def test_the_table_gives_each_arm_mean_and_spread_and_the_difference_with_its_er
 def test_each_task_draws_its_curves_into_a_figure_of_its_own(tmp_path):
     """Both tasks have a 3,000-identity cell: the images task's curves must not replace
     the scale task's figure that docs/parity.md shows."""
-    from partial_fc_mx.parity.scoring import Score
-
-    def result(accuracy):
-        return Result([(step, Score(accuracy, 0.01, {1e-3: accuracy, 1e-4: 0.5}))
-                       for step in (10, 20)], 1.0, 5)
-
-    cells = {(3000, 0.1): {"ours-exact": [result(0.9)]}}
+    cells = {(3000, 0.1): {"ours-exact": [result(0.9, steps=(10, 20))]}}
     plot(cells, ["ours-exact"], tmp_path, "latent")
     scale_figure = (tmp_path / "c3000-r0.1.png").read_bytes()
     plot(cells, ["ours-exact"], tmp_path, "images")
