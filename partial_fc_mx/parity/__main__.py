@@ -210,10 +210,12 @@ def scored(recipe: Recipe) -> list[tuple[int, Score]]:
 
 
 def mean_std(values: list[float]) -> str:
+    """Mean ± std over seeds; one seed has no spread to give (a ± 0 would claim one)."""
     if any(math.isnan(v) for v in values):
         return "diverged"
-    spread = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.mean(values):.4f} ± {spread:.4f}"
+    if len(values) < 2:
+        return f"{values[0]:.4f}"
+    return f"{statistics.mean(values):.4f} ± {statistics.stdev(values):.4f}"
 
 
 def difference(ours: list[float], anchor: list[float]) -> str:
