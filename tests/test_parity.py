@@ -293,8 +293,9 @@ def test_the_table_gives_each_arm_mean_and_spread_and_the_difference_with_its_er
 def test_each_task_draws_its_curves_into_a_figure_of_its_own(tmp_path):
     """Both tasks have a 3,000-identity cell: the images task's curves must not replace
     the scale task's figure that docs/parity.md shows."""
-    cells = {(3000, 0.1): {"ours-exact": [result(0.9, steps=(10, 20))]}}
+    cells = {(3000, 0.1): {"ours-exact": [result(0.9, steps=(10, 20))]}, (3000, 1.0): {}}
     plot(cells, ["ours-exact"], tmp_path, "latent")
+    assert not (tmp_path / "c3000-r1.png").exists()  # nothing finished: no empty figure
     scale_figure = (tmp_path / "c3000-r0.1.png").read_bytes()
     plot(cells, ["ours-exact"], tmp_path, "images")
     assert (tmp_path / "images-c3000-r0.1.png").is_file()

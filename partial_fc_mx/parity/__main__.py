@@ -88,7 +88,7 @@ IMAGES_RECIPE = {"embedding_size": 512, "batch_size": 64, "epochs": 4, "evaluati
                  "prelu": "kernel"}
 """The images task's recipe, where it differs from the scale task's: arcface_torch's
 512-d embedding, the batch and epochs of the earlier sampling study (748 steps; an mbf
-step of ours 6.6 s on this 2-core machine alone, arcface_torch's about 9: docs/parity.md),
+step of ours 6.6 s on this 2-core machine alone, arcface_torch's 8.4 s: docs/parity.md),
 and ours' PReLU as the trainer computes it on a CPU."""
 IMAGES_HELDOUT = 600
 """Held-out identities of the images task (x 5 images: 4.5 million pairs, of which
@@ -279,12 +279,15 @@ def figure_name(kind: str, classes: int, rate: float) -> str:
 
 def plot(cells: dict, arms: list[str], folder: Path, kind: str) -> None:
     """TAR@FAR=1e-3 and accuracy along the run, each arm's mean over seeds, one figure
-    per (classes, rate)."""
+    per (classes, rate) where an arm has finished (an empty figure would replace one
+    that docs/parity.md shows)."""
     from ..evaluation.drawing import pyplot
 
     plt = pyplot()
     folder.mkdir(parents=True, exist_ok=True)
     for (classes, rate), by_arm in cells.items():
+        if not any(name in by_arm for name in arms):
+            continue
         figure, axes = plt.subplots(1, 2, figsize=(10, 4))
         for name in [name for name in arms if name in by_arm]:
             runs = by_arm[name]
