@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import shutil
 import statistics
@@ -174,10 +175,15 @@ def same_run(saved: dict, key: dict) -> bool:
 
 
 def mean_std(values: list[float | None]) -> str:
+    """Mean ± std over splits or seeds; one run has no spread to give (a ± 0 would
+    claim one); "-" where a run has no such figure, "diverged" where one went NaN."""
     if None in values:
         return "-"
-    spread = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.mean(values):.4f} ± {spread:.4f}"
+    if any(math.isnan(v) for v in values):
+        return "diverged"
+    if len(values) < 2:
+        return f"{values[0]:.4f}"
+    return f"{statistics.mean(values):.4f} ± {statistics.stdev(values):.4f}"
 
 
 def overrides_text(result: RunResult) -> str:

@@ -6,6 +6,7 @@ documented command (docs/parity.md), not a test."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import shlex
 import sys
@@ -282,6 +283,9 @@ def test_the_table_gives_each_arm_mean_and_spread_and_the_difference_with_its_er
     assert difference([0.9], [0.8]) == "+0.1000 (one seed)"
     one_seed = table({(3000, 1.0): {"ours-exact": [result(0.90)]}}, ["ours-exact"])
     assert "| 3,000 | 1 | ours-exact | 1 | 0.9000 | 0.8000 | 0.5000 |" in one_seed  # no ± 0
+    diverged = table({(3000, 1.0): {"ours-exact": [result(0.9), result(math.nan)]}},
+                     ["ours-exact"])
+    assert "| ours-exact | 2 | diverged | diverged |" in diverged
     cells[(3000, 0.1)]["ours-exact-power1"] = [result(0.95), result(0.95)]
     cells[(3000, 0.1)]["arcface_torch-power1"] = [result(0.93), result(0.93)]
     text = table(cells, ["ours-exact", "arcface_torch", "ours-exact-power1",

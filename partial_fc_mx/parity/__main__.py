@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..quality import REPO, mpirun_on_this_host
+from ..quality import REPO, mean_std, mpirun_on_this_host
 from . import resume
 from .recipe import BACKBONES, Recipe, command_line, recipe_record, same_recipe
 from .scoring import FARS, Score, score
@@ -207,15 +207,6 @@ def scored(recipe: Recipe) -> list[tuple[int, Score]]:
                         Score(accuracy, fold_std, dict(zip(FARS, tars)))))
     cache_path.write_text(json.dumps({"pairs": pairs, "scores": cache}))
     return results
-
-
-def mean_std(values: list[float]) -> str:
-    """Mean ± std over seeds; one seed has no spread to give (a ± 0 would claim one)."""
-    if any(math.isnan(v) for v in values):
-        return "diverged"
-    if len(values) < 2:
-        return f"{values[0]:.4f}"
-    return f"{statistics.mean(values):.4f} ± {statistics.stdev(values):.4f}"
 
 
 def difference(ours: list[float], anchor: list[float]) -> str:
