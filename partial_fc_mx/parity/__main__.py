@@ -277,10 +277,11 @@ def plot(cells: dict, arms: list[str], folder: Path, kind: str) -> None:
     plt = pyplot()
     folder.mkdir(parents=True, exist_ok=True)
     for (classes, rate), by_arm in cells.items():
-        if not any(name in by_arm for name in arms):
+        ran = [name for name in arms if name in by_arm]
+        if not ran:
             continue
         figure, axes = plt.subplots(1, 2, figsize=(10, 4))
-        for name in [name for name in arms if name in by_arm]:
+        for name in ran:
             runs = by_arm[name]
             steps = [step for step, _ in runs[0].scores]
             for axis, metric in zip(axes, ("accuracy", "TAR@FAR=1e-3")):
