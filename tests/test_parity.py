@@ -26,9 +26,11 @@ from partial_fc_mx.errors import UserError
 from partial_fc_mx.parity import resume
 from partial_fc_mx.parity.__main__ import (
     ARMS,
+    EVALUATION_PATIENCE_S,
     Result,
     begin_or_go_on,
     difference,
+    launch,
     plot,
     run_arm,
     same_recipe,
@@ -323,6 +325,19 @@ def test_our_arm_trains_for_real_and_its_embeddings_are_scored(small_task, tmp_p
     assert first[0] == steps // 2 and last[0] == steps
     assert 0.5 <= last[1].accuracy <= 1.0
     assert json.loads((out / "scores.json").read_text())  # kept: not scored twice
+
+
+def test_every_rank_of_our_arm_waits_out_rank_0s_evaluation_before_a_stall_warning(
+        small_task, tmp_path):
+    """The launcher's own processes, with the arm swapped for a print of the setting."""
+    command = launch(ARMS["ours-exact"], Recipe(small_task, tmp_path), 2, Namespace())
+    ranks = [*command[:command.index(sys.executable)], sys.executable, "-c",
+             "import os; print('patience', os.environ['HOROVOD_STALL_CHECK_TIME_SECONDS'])"]
+    done = run(ranks, timeout=60)
+    assert done.returncode == 0, done.stdout
+    assert done.stdout.split().count("patience") == 2
+    assert set(re.findall(r"patience (\d+)", done.stdout)) == {str(EVALUATION_PATIENCE_S)}
+    assert EVALUATION_PATIENCE_S >= 5 * 60  # rank 0 embeds the held-out set for minutes
 
 
 def test_our_arm_killed_mid_run_goes_on_from_its_last_checkpoint_as_if_never_stopped(

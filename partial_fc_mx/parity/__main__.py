@@ -138,10 +138,18 @@ class Result:
     ms_per_step: float
 
 
+EVALUATION_PATIENCE_S = 900
+"""How long Horovod's stall inspector waits in our arm before it warns: rank 0 embeds the
+held-out set alone at each evaluation (one to two minutes for the images task's
+MobileFaceNet on one thread) while the other ranks wait in the next collective, which its
+default of 60 s reports as a possible deadlock."""
+
+
 def launch(arm: Arm, recipe: Recipe, processes: int, args: argparse.Namespace) -> list[str]:
     words = command_line(recipe)
     if arm.toolkit == "ours":
-        return [*mpirun_on_this_host(processes), "-x", "OMP_NUM_THREADS", sys.executable,
+        return [*mpirun_on_this_host(processes), "-x", "OMP_NUM_THREADS", "-x",
+                f"HOROVOD_STALL_CHECK_TIME_SECONDS={EVALUATION_PATIENCE_S}", sys.executable,
                 "-m", "partial_fc_mx.parity.ours", *words]
     if args.arcface_torch is None or args.torch_python is None:
         raise SystemExit("arcface_torch's arms need --arcface-torch and --torch-python")
