@@ -332,8 +332,10 @@ def test_every_rank_of_our_arm_waits_out_rank_0s_evaluation_before_a_stall_warni
     """The launcher's own processes, with the arm swapped for a print of the setting."""
     command = launch(ARMS["ours-exact"], Recipe(small_task, tmp_path), 2, Namespace())
     ranks = [*command[:command.index(sys.executable)], sys.executable, "-c",
-             "import os; print('patience', os.environ['HOROVOD_STALL_CHECK_TIME_SECONDS'])"]
-    done = run(ranks, timeout=60)
+             "import os; os.write(1, b'patience %s\\n' % "  # one write: lines stay whole
+             "os.environb[b'HOROVOD_STALL_CHECK_TIME_SECONDS'])"]
+    done = run(ranks, timeout=60, env={"HOROVOD_STALL_CHECK_TIME_SECONDS": "60",  # not ours
+                                       "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stdout
     assert done.stdout.split().count("patience") == 2
     assert set(re.findall(r"patience (\d+)", done.stdout)) == {str(EVALUATION_PATIENCE_S)}

@@ -140,9 +140,9 @@ class Result:
 
 EVALUATION_PATIENCE_S = 900
 """How long Horovod's stall inspector waits in our arm before it warns: rank 0 embeds the
-held-out set alone at each evaluation (one to two minutes for the images task's
-MobileFaceNet on one thread) while the other ranks wait in the next collective, which its
-default of 60 s reports as a possible deadlock."""
+held-out set alone at each evaluation (about two minutes, sometimes more, for the
+images task's MobileFaceNet on one thread) while the other ranks wait in the next
+collective, which its default of 60 s reports as a possible deadlock."""
 
 
 def launch(arm: Arm, recipe: Recipe, processes: int, args: argparse.Namespace) -> list[str]:
