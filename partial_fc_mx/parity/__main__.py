@@ -132,6 +132,7 @@ def arm_recipe(arm: Arm, base: Recipe, seed: int, rate: float,
 
 @dataclass
 class Result:
+    seed: int
     scores: list[tuple[int, Score]]
     """(step, score) along the run; the last is the model at the end."""
     minutes: float
@@ -178,7 +179,7 @@ def run_arm(arm: Arm, recipe: Recipe, args: argparse.Namespace) -> Result | None
             raise SystemExit(f"the run failed (exit {done.returncode}); its output: "
                              f"{recipe.out / 'output.txt'}")
     log = json.loads(log_path.read_text())
-    return Result(scored(recipe), log["minutes"], log["ms_per_step"])
+    return Result(recipe.seed, scored(recipe), log["minutes"], log["ms_per_step"])
 
 
 def begin_or_go_on(recipe: Recipe) -> None:
@@ -220,10 +221,10 @@ def scored(recipe: Recipe) -> list[tuple[int, Score]]:
 def difference(ours: list[float], anchor: list[float]) -> str:
     """Difference of the means and its standard error, each arm's seeds taken as
     independent; then paired by seed (both toolkits of a seed train on the same data,
-    so the per-seed differences vary less)."""
+    so the per-seed differences vary less). `ours[i]` and `anchor[i]` share a seed."""
     gap = statistics.mean(ours) - statistics.mean(anchor)
-    if len(ours) < 2 or len(ours) != len(anchor):
-        return f"{gap:+.4f} (one seed)" if len(ours) < 2 else f"{gap:+.4f}"
+    if len(ours) < 2:
+        return f"{gap:+.4f} (one seed)"
     error = math.sqrt(statistics.variance(ours) / len(ours)
                       + statistics.variance(anchor) / len(anchor))
     paired = [a - b for a, b in zip(ours, anchor)]
@@ -244,9 +245,17 @@ def baseline_of(name: str) -> str | None:
     return "arcface_torch" if name != "arcface_torch" and arm.power == 2.0 else None
 
 
+def paired_ends(ours: list[Result], anchor: list[Result]) -> tuple[list[Score], list[Score]]:
+    """The end-of-run scores of the seeds both arms finished, in the same seed order."""
+    ends = {result.seed: result.scores[-1][1] for result in anchor}
+    pairs = sorted((r.seed, r.scores[-1][1], ends[r.seed]) for r in ours if r.seed in ends)
+    return [pair[1] for pair in pairs], [pair[2] for pair in pairs]
+
+
 def table(cells: dict, arms: list[str]) -> str:
     """One row per (classes, rate, arm): the end-of-run scores, mean ± std over seeds;
-    then each arm minus the one it is compared with (baseline_of), where both ran."""
+    then each arm minus the one it is compared with (baseline_of), over the seeds both
+    finished (a seed one arm has not finished yet would bias the difference)."""
     rows = ["| classes | sample_rate | arm | seeds | " + " | ".join(METRICS)
             + " | minutes per run | ms/step |", "|---" * (6 + len(METRICS)) + "|"]
     for (classes, rate), by_arm in cells.items():
@@ -260,13 +269,13 @@ def table(cells: dict, arms: list[str]) -> str:
                         f"{statistics.mean(r.ms_per_step for r in results):.0f} |")
         for name in ran:
             baseline = baseline_of(name)
-            if baseline not in by_arm:
+            ours, anchor = paired_ends(by_arm[name], by_arm.get(baseline, []))
+            if not ours:
                 continue
-            ours = [r.scores[-1][1] for r in by_arm[name]]
-            anchor = [r.scores[-1][1] for r in by_arm[baseline]]
-            rows.append(f"| {classes:,} | {rate:g} | {name} − {baseline} | | " + " | ".join(
-                difference([f(s) for s in ours], [f(s) for s in anchor])
-                for f in METRICS.values()) + " | | |")
+            gaps = [difference([f(s) for s in ours], [f(s) for s in anchor])
+                    for f in METRICS.values()]
+            rows.append(f"| {classes:,} | {rate:g} | {name} − {baseline} | {len(ours)} | "
+                        + " | ".join(gaps) + " | | |")
     return "\n".join(rows)
 
 
