@@ -287,6 +287,11 @@ def test_the_table_gives_each_arm_mean_and_spread_and_the_difference_with_its_er
                                     "arcface_torch": [result(0.85)]}},
                      ["ours-exact", "arcface_torch"])
     assert "| ours-exact − arcface_torch | 1 | +0.0500 (one seed) |" in half_run
+    # listed in other orders, the seeds are still paired with each other
+    reordered = table({(3000, 0.1): {"ours-exact": [result(0.92, seed=1), result(0.90)],
+                                     "arcface_torch": [result(0.85), result(0.91, seed=1)]}},
+                      ["ours-exact", "arcface_torch"])
+    assert "| 2 | +0.0300 ± 0.0316 (paired ± 0.0200) |" in reordered
     assert difference([0.9], [0.8]) == "+0.1000 (one seed)"
     one_seed = table({(3000, 1.0): {"ours-exact": [result(0.90)]}}, ["ours-exact"])
     assert "| 3,000 | 1 | ours-exact | 1 | 0.9000 | 0.8000 | 0.5000 |" in one_seed  # no ± 0

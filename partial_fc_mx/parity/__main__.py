@@ -247,9 +247,10 @@ def baseline_of(name: str) -> str | None:
 
 def paired_ends(ours: list[Result], anchor: list[Result]) -> tuple[list[Score], list[Score]]:
     """The end-of-run scores of the seeds both arms finished, in the same seed order."""
-    ends = {result.seed: result.scores[-1][1] for result in anchor}
-    pairs = sorted((r.seed, r.scores[-1][1], ends[r.seed]) for r in ours if r.seed in ends)
-    return [pair[1] for pair in pairs], [pair[2] for pair in pairs]
+    mine = {result.seed: result.scores[-1][1] for result in ours}
+    theirs = {result.seed: result.scores[-1][1] for result in anchor}
+    seeds = sorted(mine.keys() & theirs.keys())
+    return [mine[seed] for seed in seeds], [theirs[seed] for seed in seeds]
 
 
 def table(cells: dict, arms: list[str]) -> str:
@@ -286,7 +287,8 @@ def figure_name(kind: str, classes: int, rate: float) -> str:
 
 
 def plot(cells: dict, arms: list[str], folder: Path, kind: str) -> None:
-    """TAR@FAR=1e-3 and accuracy along the run, each arm's mean over seeds, one figure
+    """TAR@FAR=1e-3 and accuracy along the run, each arm's mean over the seeds it
+    finished (their number in the legend: arms half run are not alike), one figure
     per (classes, rate) where an arm has finished (an empty figure would replace one
     that docs/parity.md shows)."""
     from ..evaluation.drawing import pyplot
@@ -303,7 +305,8 @@ def plot(cells: dict, arms: list[str], folder: Path, kind: str) -> None:
             steps = [step for step, _ in runs[0].scores]
             for axis, metric in zip(axes, ("accuracy", "TAR@FAR=1e-3")):
                 curve = np.mean([[METRICS[metric](s) for _, s in r.scores] for r in runs], 0)
-                axis.plot(steps, curve, marker="o", label=name)
+                seeds = f"{len(runs)} seed{'s' if len(runs) > 1 else ''}"
+                axis.plot(steps, curve, marker="o", label=f"{name} ({seeds})")
                 axis.set_xlabel("step")
                 axis.set_title(f"{metric}, {'scale' if kind == 'latent' else kind}, "
                                f"C = {classes:,}, r = {rate:g}")
@@ -344,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     for classes in args.classes:
         for rate in args.rates:
             by_arm = cells.setdefault((classes, rate), {})
-            for seed in args.seeds:
+            for seed in dict.fromkeys(args.seeds):  # a seed given twice runs once
                 task = write_task(task_of(args.kind, classes, args.per_class, seed),
                                   work / "data")
                 for name in args.arms:
