@@ -303,10 +303,10 @@ def plot(cells: dict, arms: list[str], folder: Path, kind: str) -> None:
         for name in ran:
             runs = by_arm[name]
             steps = [step for step, _ in runs[0].scores]
+            label = f"{name} ({len(runs)} seed{'s' if len(runs) > 1 else ''})"
             for axis, metric in zip(axes, ("accuracy", "TAR@FAR=1e-3")):
                 curve = np.mean([[METRICS[metric](s) for _, s in r.scores] for r in runs], 0)
-                seeds = f"{len(runs)} seed{'s' if len(runs) > 1 else ''}"
-                axis.plot(steps, curve, marker="o", label=f"{name} ({seeds})")
+                axis.plot(steps, curve, marker="o", label=label)
                 axis.set_xlabel("step")
                 axis.set_title(f"{metric}, {'scale' if kind == 'latent' else kind}, "
                                f"C = {classes:,}, r = {rate:g}")
