@@ -319,8 +319,9 @@ def test_ops_bench_rates_every_gemm_against_the_forward():
                         result.stdout, re.MULTILINE)
     assert [kind for _, kind, *_ in passes] == ["fused C++ kernels", "MXNet operators"], \
         result.stdout[-2000:]
-    for total, _, *parts in passes:  # the total is the sum of what it lists
-        assert abs(float(total) - sum(map(float, parts))) < 0.1 + 1e-3 * float(total)
+    for total, _, *parts in passes:  # the total is the sum of what it lists, each
+        rounding = 0.05 * (len(parts) + 1)  # figure printed to 0.1 ms
+        assert abs(float(total) - sum(map(float, parts))) <= rounding + 1e-9
 
 
 def test_the_anchor_names_the_arcface_torch_file_it_lacks(tmp_path):
