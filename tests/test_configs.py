@@ -10,13 +10,15 @@ Each runs twice: on this CPU as it is, and with oneDNN capped at AVX2 (how an AM
 bfloat16 where the CPU computes it natively and in float32 elsewhere (cpu_precision.py),
 and the log must say which.
 
-CI takes a shorter path: each network and precision runs at full size once, in the
-first config (by file name) that has them; a later config with the same network and
-precision trains `tiny` in its place, everything else as written (margin, sampling,
-classes, schedule, fp16). Under the AVX2 cap each precision runs at full size once for
-the configs with fp16 = True and once for the others, in the one with the smallest
-network (then by file name), and the configs that would train `tiny` in its place do
-not run again (matrix()). The full matrix, every config at its own network under both:
+CI takes a shorter path: each network family (every IResNet depth is one, built by one
+function; test_backbones.py checks each depth's layers against arcface_torch's) and
+precision runs at full size once, in the first config (by file name) that has them; a
+later config with the same family and precision trains `tiny` in its place, everything
+else as written (margin, sampling, classes, schedule, fp16). Under the AVX2 cap each
+precision runs at full size once for the configs with fp16 = True and once for the
+others, in the one with the smallest network (then by file name), and the configs that
+would train `tiny` in its place do not run again (matrix()). The full matrix, every
+config at its own network under both:
 
     PFC_FULL_MATRIX=1 .venv/bin/python -m pytest tests/test_configs.py --durations=0
 """
@@ -56,13 +58,18 @@ def backbone_dtype(config: Config, env: dict) -> str:
     return "bfloat16" if config.fp16 and bfloat16_native(env) else "float32"
 
 
+def family(network: str) -> str:
+    """IResNet-18 to -200 are one family: one builder, depth its only parameter."""
+    return "iresnet" if re.fullmatch(r"(iresnet|r)\d+", network) else network
+
+
 def full_size_key(config: Config, env: dict):
     """What a config must differ in from every earlier one to run its own network in
-    CI's shorter path: its network and precision; under the cap, its precision and
-    whether it asks for 16 bits (the cap reaches oneDNN's kernels, which every IResNet
-    depth shares, and turns a 16-bit config's bfloat16 into float32)."""
+    CI's shorter path: its network family and precision; under the cap, its precision
+    and whether it asks for 16 bits (the cap reaches oneDNN's kernels, which every
+    IResNet depth shares, and turns a 16-bit config's bfloat16 into float32)."""
     dtype = backbone_dtype(config, env)
-    return (config.fp16, dtype) if env else (config.network, dtype)
+    return (config.fp16, dtype) if env else (family(config.network), dtype)
 
 
 def order(config: Path) -> tuple:
