@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import json
 import os
@@ -165,21 +164,6 @@ def pytest_configure(config):
     # rank waiting in a collective yields its core to the other test's ranks (5-15% less
     # CPU for the same runs, measured on test_stop_and_resume.py and a 15-step training).
     os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
-
-
-MOSTLY_WAITING = ("test_multihost.py",)
-"""Files whose tests mostly wait (a cut link, a frozen rank, heartbeats timing out):
-about half a core over their 162 s here. Handed out last, they ran alone at the end
-with the other core idle; first, they wait beside another file's CPU-bound tests."""
-
-
-def pytest_collection_modifyitems(items):
-    """The order in which xdist hands out files (tests/run.sh: --no-loadscope-reorder):
-    the files that mostly wait first, then by number of tests, most first (xdist's own
-    order, which pairs a long file with many short ones); a file's tests stay together
-    and in order."""
-    counts = collections.Counter(item.path for item in items)
-    items.sort(key=lambda item: (item.path.name not in MOSTLY_WAITING, -counts[item.path]))
 
 
 @pytest.fixture(autouse=True)

@@ -10,9 +10,8 @@ echo "== pytest"
 df -h "${TMPDIR:-/tmp}" | tail -n 1 | awk '{print "free in the temporary folder: " $4}'
 # Two test files at a time (each file's tests in turn, in one worker: they share its
 # fixtures): a test's processes keep about one of CI's 2 cores busy on average, so the
-# suite is bound by CPU (docs/tests.md). Files are handed out in conftest.py's order:
-# the ones that mostly wait first, then those with the most tests, which pairs a long
-# file with many short ones; the longest files first paired CPU-bound tests and was slower.
+# suite is bound by CPU (docs/tests.md). xdist hands out the files with the most tests first, which pairs a long file
+# with many short ones; the longest files first paired CPU-bound tests and was slower.
 # PFC_TEST_WORKERS=0 runs everything in this process, one test after another.
 .venv/bin/python -m pytest -q --tb=short -n "${PFC_TEST_WORKERS:-2}" --dist loadfile \
-  --no-loadscope-reorder --durations=25 "$@"  # the slowest, to keep it under 30 minutes
+  --durations=25 "$@"  # the slowest, to keep it under 30 minutes
