@@ -42,6 +42,7 @@ from conftest import (
     run,
 )
 
+from partial_fc_mx.backbones.iresnet import DEPTHS
 from partial_fc_mx.config import Config, load_config
 from partial_fc_mx.prep.synthetic import prepare_synthetic
 from partial_fc_mx.run.export import parity
@@ -60,7 +61,7 @@ def backbone_dtype(config: Config, env: dict) -> str:
 
 def family(network: str) -> str:
     """IResNet-18 to -200 are one family: one builder, depth its only parameter."""
-    return "iresnet" if re.fullmatch(r"(iresnet|r)\d+", network) else network
+    return "iresnet" if network.replace("iresnet", "r") in DEPTHS else network
 
 
 def full_size_key(config: Config, env: dict):
