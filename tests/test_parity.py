@@ -23,7 +23,7 @@ from partial_fc_mx.data.loader import FaceLoader
 from partial_fc_mx.data.network_input import to_network_input
 from partial_fc_mx.data.transforms import decode_face
 from partial_fc_mx.errors import UserError
-from partial_fc_mx.parity import resume
+from partial_fc_mx.parity import center_trace, resume
 from partial_fc_mx.parity.__main__ import (
     ARMS,
     EVALUATION_PATIENCE_S,
@@ -335,6 +335,43 @@ def test_our_arm_trains_for_real_and_its_embeddings_are_scored(small_task, tmp_p
     assert first[0] == steps // 2 and last[0] == steps
     assert 0.5 <= last[1].accuracy <= 1.0
     assert json.loads((out / "scores.json").read_text())  # kept: not scored twice
+
+
+def test_a_recorded_dense_run_replays_to_its_own_rows_and_exact_keeps_them(
+        small_task, tmp_path):
+    """center_trace: the dense replay is the run's arithmetic again (0 difference), and
+    the exact update fed the run's own gradients keeps its rows to rounding."""
+    trace = tmp_path / "trace"
+    recipe = Recipe(small_task, tmp_path / "ours", sample_rate=0.5, epochs=2,
+                    batch_size=16, hidden=32, embedding_size=16, evaluations=2,
+                    center_update="dense")
+    done = mpirun(2, [sys.executable, "-m", "partial_fc_mx.parity.center_trace", "record",
+                      str(trace), "--rows-every", "7", *command_line(recipe)], timeout=180)
+    assert done.returncode == 0, done.stdout
+    figures = list(center_trace.replay(trace))
+    steps = (60 * 4 // 32) * 2
+    assert [(row["shard"], row["step"]) for row in figures] == [
+        (start, step) for start in (0, 30) for step in (7, steps)]
+    for row in figures:
+        assert row["dense weight"] == row["dense momentum"] == 0.0, row
+        assert row["exact weight"] < 1e-5 and row["exact momentum"] < 1e-5, row
+
+
+def test_a_trace_of_anything_but_a_fresh_dense_run_is_refused_on_every_rank(
+        small_task, tmp_path):
+    recipe = Recipe(small_task, tmp_path / "ours", epochs=1, batch_size=16, hidden=32,
+                    embedding_size=16, center_update="exact")
+    done = mpirun(2, [sys.executable, "-m", "partial_fc_mx.parity.center_trace", "record",
+                      str(tmp_path / "trace"), *command_line(recipe)], timeout=120)
+    assert done.returncode != 0
+    assert "--center-update is exact: record a dense run" in done.stdout
+    assert not (tmp_path / "trace").exists()
+    (tmp_path / "ours").mkdir()
+    (tmp_path / "ours" / "log.json").write_text("{}")
+    done = mpirun(2, [sys.executable, "-m", "partial_fc_mx.parity.center_trace", "record",
+                      str(tmp_path / "trace"),
+                      *command_line(replace(recipe, center_update="dense"))], timeout=120)
+    assert done.returncode != 0 and f"{tmp_path / 'ours'} is not empty" in done.stdout
 
 
 def test_every_rank_of_our_arm_waits_out_rank_0s_evaluation_before_a_stall_warning(

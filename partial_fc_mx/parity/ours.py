@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import mxnet as mx
@@ -26,6 +27,7 @@ from ..config import Config
 from ..data.loader import Batch
 from ..errors import UserError
 from ..evaluation.validator import Validator
+from ..pfc.centers import ClassCenters
 from ..run.precision import LossScaler, build_backbone, training_model
 from ..run.schedule import Schedule
 from ..train import build_classifier, make_trainer, train_step
@@ -94,7 +96,9 @@ def recipe_config(recipe: Recipe, num_classes: int) -> Config:
     return config
 
 
-def train(recipe: Recipe) -> None:
+def train(recipe: Recipe, watch: Callable[[ClassCenters], None] | None = None) -> None:
+    """Train `recipe`; `watch` is given the classifier's centers before its first step
+    (center_trace.py records their updates)."""
     if (recipe.momentum_form, recipe.seeding, recipe.margin_gradient) != ("own", "alike",
                                                                           "own"):
         raise SystemExit("--momentum-form, --seeding and --margin-gradient are "
@@ -117,6 +121,8 @@ def train(recipe: Recipe) -> None:
     trained = dist.allgather_object(ours_resume.trained_by(recipe, world.size),
                                     name="parity.trained")[0]  # rank 0's, its code loaded
     state, progress = ours_resume.go_on_from(run, recipe, trained)
+    if watch is not None:
+        watch(pfc.centers)
     losses, seconds = progress["losses"], progress["seconds"]
     global_batch = recipe.batch_size * world.size
     schedule = Schedule.of(len(y), global_batch, recipe.epochs, 0, 0.0, [], config.lr_power)
