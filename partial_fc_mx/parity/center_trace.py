@@ -114,11 +114,11 @@ def replay(trace: Path) -> Iterator[dict]:
             centers.load_state_dict({"weight": first["weight"], "mom": first["mom"]})
             updates[name] = centers
         for step_file in sorted(folder.glob("step-*.npz")):
-            step = np.load(step_file)
+            with np.load(step_file) as step:  # each key read from the file once
+                index, grad, lr = step["index"], mx.nd.array(step["grad"]), float(step["lr"])
             for centers in updates.values():
-                centers.bring_current(step["index"])
-                centers.update(step["index"], centers.sampled_weights(step["index"]),
-                               mx.nd.array(step["grad"]), float(step["lr"]))
+                centers.bring_current(index)
+                centers.update(index, centers.sampled_weights(index), grad, lr)
             done = int(step_file.stem[5:]) + 1
             saved = folder / f"rows-{done:06d}.npz"
             if saved.is_file():
