@@ -374,6 +374,38 @@ def test_a_trace_of_anything_but_a_fresh_dense_run_is_refused_on_every_rank(
     assert done.returncode != 0 and f"{tmp_path / 'ours'} is not empty" in done.stdout
 
 
+def test_an_exact_run_brought_current_at_one_step_parts_from_its_plain_run_by_rounding(
+        small_task, tmp_path):
+    """center_trace current-at: the same steps up to the one named, after which every
+    row takes the steps it missed at once; the same arithmetic, so the run ends where
+    the plain one does up to rounding."""
+    plain = Recipe(small_task, tmp_path / "plain", sample_rate=0.5, epochs=2,
+                   batch_size=16, hidden=32, embedding_size=16, evaluations=1,
+                   center_update="exact")
+    rounded = replace(plain, out=tmp_path / "rounded")
+    done = mpirun(2, [sys.executable, "-m", "partial_fc_mx.parity.ours",
+                      *command_line(plain)], timeout=180)
+    assert done.returncode == 0, done.stdout
+    done = mpirun(2, [sys.executable, "-m", "partial_fc_mx.parity.center_trace",
+                      "current-at", "3", *command_line(rounded)], timeout=180)
+    assert done.returncode == 0, done.stdout
+    assert sorted(re.findall(r"centers (\d+)-(\d+) brought current after step 3",
+                             done.stdout)) == [("0", "29"), ("30", "59")]
+    losses = [json.loads((recipe.out / "log.json").read_text())["loss"]  # every 10 steps
+              for recipe in (plain, rounded)]
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-4)
+    ends = [np.load(next(recipe.out.glob("embeddings-*.npy"))) for recipe in (plain, rounded)]
+    np.testing.assert_allclose(ends[1], ends[0], rtol=1e-3, atol=1e-4)
+    assert not np.array_equal(ends[1], ends[0])  # rounded otherwise: the hook ran
+    done = mpirun(2, [sys.executable, "-m", "partial_fc_mx.parity.center_trace",
+                      "current-at", "3", *command_line(replace(
+                          plain, out=tmp_path / "dense", center_update="dense"))],
+                  timeout=120)
+    assert done.returncode != 0
+    assert "--center-update is dense: this changes the rounding of an exact run" in done.stdout
+    assert not (tmp_path / "dense").exists()
+
+
 def test_every_rank_of_our_arm_waits_out_rank_0s_evaluation_before_a_stall_warning(
         small_task, tmp_path):
     """The launcher's own processes, with the arm swapped for a print of the setting."""

@@ -12,8 +12,14 @@ relative difference (||diff|| / ||run's row||) of each against the run's own row
 the dense replay must give 0 (it is the run's arithmetic again), `exact` differs by
 rounding only.
 
+`current-at` answers the other half: how far a change of rounding alone moves the end
+of a run. It trains an `exact` run unchanged except that after step N every row is
+brought current (the steps each missed, applied then rather than when it is next
+sampled): the same arithmetic, rounded otherwise from there on.
+
     mpirun -np 2 python -m partial_fc_mx.parity.center_trace record TRACE <our arm's arguments>
     python -m partial_fc_mx.parity.center_trace replay TRACE
+    mpirun -np 2 python -m partial_fc_mx.parity.center_trace current-at N <our arm's arguments>
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import mxnet as mx
@@ -68,24 +74,62 @@ class Recorder:
                  mom=state["mom"])
 
 
+def bring_current_after(step: int) -> Callable[[ClassCenters], None]:
+    """A `watch` for ours.train that brings every row of the centers current right
+    after their update number `step` (counted from this process's first)."""
+
+    def attach(centers: ClassCenters) -> None:
+        update, done = centers.update, [0]
+
+        def counted(index, w, grad, lr):
+            update(index, w, grad, lr)
+            done[0] += 1
+            if done[0] == step:
+                centers.bring_all_current()
+                print(f"every row of centers {centers.shard.start}-{centers.shard.stop - 1}"
+                      f" brought current after step {step}", flush=True)
+
+        centers.update = counted
+
+    return attach
+
+
 def record(trace: Path, recipe: Recipe, rows_every: int) -> None:
-    """Train `recipe` with every rank's center updates written below `trace`. Refused
-    on every rank together (before any writes) unless the run is dense and both
-    folders are empty."""
+    """Train `recipe`, a dense run, with every rank's center updates written below
+    `trace`."""
+    train_from_the_beginning(recipe, Recorder(trace, rows_every).attach, "dense",
+                             "record a dense run, whose rows are current at every step, "
+                             "so that saving them changes nothing it computes", [trace])
+
+
+def current_at(step: int, recipe: Recipe) -> None:
+    """Train `recipe`, an exact run, with every row brought current after step `step`."""
+    train_from_the_beginning(recipe, bring_current_after(step), "exact",
+                             "this changes the rounding of an exact run, whose rows take "
+                             "the steps they missed when they are sampled", [])
+
+
+def train_from_the_beginning(recipe: Recipe, watch: Callable[[ClassCenters], None],
+                             update: str, needs: str, folders: list[Path]) -> None:
+    """ours.train with `watch`; refused on every rank together, before any writes,
+    unless the run's center update is `update` and `folders` and its own are empty
+    (a run that went on from a saved state would be watched from the middle)."""
     dist.init()
-    dist.raise_on_every_rank(start_problem(trace, recipe), "center_trace.start")
+    dist.raise_on_every_rank(start_problem(recipe, update, needs, folders),
+                             "center_trace.start")
     recipe.out.mkdir(parents=True, exist_ok=True)
-    ours.train(recipe, watch=Recorder(trace, rows_every).attach)
+    ours.train(recipe, watch=watch)
 
 
-def start_problem(trace: Path, recipe: Recipe) -> UserError | None:
-    if recipe.center_update != "dense":
-        return UserError(f"--center-update is {recipe.center_update}: record a dense "
-                         "run, whose rows are current at every step, so that saving "
-                         "them changes nothing it computes")
-    for folder in (trace, recipe.out):
+def start_problem(recipe: Recipe, update: str, needs: str,
+                  folders: list[Path]) -> UserError | None:
+    """Why this diagnostic cannot run `recipe` (None: it can): it `needs` the center
+    update `update` and, for a run from the beginning, empty folders."""
+    if recipe.center_update != update:
+        return UserError(f"--center-update is {recipe.center_update}: {needs}")
+    for folder in (*folders, recipe.out):
         if folder.exists() and any(folder.iterdir()):
-            return UserError(f"{folder} is not empty: a recorded run starts from the "
+            return UserError(f"{folder} is not empty: this run starts from the "
                              "beginning (our arm would go on from a saved state); give "
                              "new folders")
     return None
@@ -148,14 +192,21 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(recording)
     replaying = commands.add_parser("replay", help="replay a record; print the differences")
     replaying.add_argument("trace", type=Path)
+    rounding = commands.add_parser("current-at", help="train our arm (exact) with every "
+                                   "row brought current after one step")
+    rounding.add_argument("step", type=int)
+    add_arguments(rounding)
     args = parser.parse_args(argv)
-    if args.command == "record":
-        try:
+    try:
+        if args.command == "record":
             record(args.trace, from_args(args), args.rows_every)
-        except UserError as error:
-            report(error)
-            return 2
-        return 0
+            return 0
+        if args.command == "current-at":
+            current_at(args.step, from_args(args))
+            return 0
+    except UserError as error:
+        report(error)
+        return 2
     for figures in replay(args.trace):
         print(json.dumps({name: value if isinstance(value, int) else f"{value:.2e}"
                           for name, value in figures.items()}), flush=True)
