@@ -404,6 +404,8 @@ def test_an_exact_run_brought_current_at_one_step_parts_from_its_plain_run_by_ro
     assert done.returncode != 0
     assert "--center-update is dense: this changes the rounding of an exact run" in done.stdout
     assert not (tmp_path / "dense").exists()
+    with pytest.raises(SystemExit):  # before any process starts training
+        center_trace.main(["current-at", "0", *command_line(plain)])
 
 
 def test_every_rank_of_our_arm_waits_out_rank_0s_evaluation_before_a_stall_warning(

@@ -197,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     rounding.add_argument("step", type=int)
     add_arguments(rounding)
     args = parser.parse_args(argv)
+    if args.command == "current-at" and args.step < 1:
+        parser.error(f"current-at {args.step}: the step is counted from 1 (after the "
+                     "first update)")
     try:
         if args.command == "record":
             record(args.trace, from_args(args), args.rows_every)
