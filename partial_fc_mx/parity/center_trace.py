@@ -79,12 +79,13 @@ def bring_current_after(step: int) -> Callable[[ClassCenters], None]:
     after their update number `step` (counted from this process's first)."""
 
     def attach(centers: ClassCenters) -> None:
-        update, done = centers.update, [0]
+        update, done = centers.update, 0
 
         def counted(index, w, grad, lr):
+            nonlocal done
             update(index, w, grad, lr)
-            done[0] += 1
-            if done[0] == step:
+            done += 1
+            if done == step:
                 centers.bring_all_current()
                 print(f"every row of centers {centers.shard.start}-{centers.shard.stop - 1}"
                       f" brought current after step {step}", flush=True)
