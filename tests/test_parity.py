@@ -404,6 +404,13 @@ def test_an_exact_run_brought_current_at_one_step_parts_from_its_plain_run_by_ro
     assert done.returncode != 0
     assert "--center-update is dense: this changes the rounding of an exact run" in done.stdout
     assert not (tmp_path / "dense").exists()
+    done = mpirun(2, [sys.executable, "-m", "partial_fc_mx.parity.center_trace",
+                      "current-at", "15", *command_line(replace(plain,
+                                                                out=tmp_path / "late"))],
+                  timeout=120)
+    assert done.returncode != 0
+    assert "step 15 is beyond this run's last, 14" in done.stdout, done.stdout
+    assert not (tmp_path / "late").exists()
     with pytest.raises(SystemExit):  # before any process starts training
         center_trace.main(["current-at", "0", *command_line(plain)])
 

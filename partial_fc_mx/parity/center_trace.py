@@ -40,6 +40,7 @@ from ..pfc.center_optimizers.sgd import SGD
 from ..pfc.centers import ClassCenters, Shard
 from . import ours
 from .recipe import Recipe, add_arguments, from_args
+from .task import load_task, steps_per_epoch
 
 
 class Recorder:
@@ -107,17 +108,22 @@ def current_at(step: int, recipe: Recipe) -> None:
     """Train `recipe`, an exact run, with every row brought current after step `step`."""
     train_from_the_beginning(recipe, bring_current_after(step), "exact",
                              "this changes the rounding of an exact run, whose rows take "
-                             "the steps they missed when they are sampled", [])
+                             "the steps they missed when they are sampled", [],
+                             watched_step=step)
 
 
 def train_from_the_beginning(recipe: Recipe, watch: Callable[[ClassCenters], None],
-                             update: str, needs: str, folders: list[Path]) -> None:
+                             update: str, needs: str, folders: list[Path],
+                             watched_step: int | None = None) -> None:
     """ours.train with `watch`; refused on every rank together, before any writes,
-    unless the run's center update is `update` and `folders` and its own are empty
-    (a run that went on from a saved state would be watched from the middle)."""
-    dist.init()
-    dist.raise_on_every_rank(start_problem(recipe, update, needs, folders),
-                             "center_trace.start")
+    unless the run's center update is `update`, `folders` and its own are empty (a run
+    that went on from a saved state would be watched from the middle) and the run
+    reaches `watched_step` (a watch that never acts would leave the plain run)."""
+    world = dist.init()
+    problem = start_problem(recipe, update, needs, folders)
+    if problem is None and watched_step is not None:
+        problem = step_problem(recipe, watched_step, world.size)
+    dist.raise_on_every_rank(problem, "center_trace.start")
     recipe.out.mkdir(parents=True, exist_ok=True)
     ours.train(recipe, watch=watch)
 
@@ -133,6 +139,17 @@ def start_problem(recipe: Recipe, update: str, needs: str,
             return UserError(f"{folder} is not empty: this run starts from the "
                              "beginning (our arm would go on from a saved state); give "
                              "new folders")
+    return None
+
+
+def step_problem(recipe: Recipe, step: int, world_size: int) -> UserError | None:
+    """Why step `step` is not one of the run's (None: it is)."""
+    samples = len(load_task(recipe.task, ("train_y.npy",))["train_y"])
+    total = steps_per_epoch(samples, recipe.batch_size * world_size) * recipe.epochs
+    if step > total:
+        return UserError(f"step {step} is beyond this run's last, {total} ({recipe.epochs} "
+                         f"epochs of {samples} samples, {recipe.batch_size} x {world_size} "
+                         f"a step): name a step from 1 to {total}")
     return None
 
 
