@@ -40,7 +40,7 @@ from ..pfc.center_optimizers.sgd import SGD
 from ..pfc.centers import ClassCenters, Shard
 from . import ours
 from .recipe import Recipe, add_arguments, from_args
-from .task import load_task, steps_per_epoch
+from .task import load_task, run_steps
 
 
 class Recorder:
@@ -145,7 +145,7 @@ def start_problem(recipe: Recipe, update: str, needs: str,
 def step_problem(recipe: Recipe, step: int, world_size: int) -> UserError | None:
     """Why step `step` is not one of the run's (None: it is)."""
     samples = len(load_task(recipe.task, ("train_y.npy",))["train_y"])
-    total = steps_per_epoch(samples, recipe.batch_size * world_size) * recipe.epochs
+    total = run_steps(samples, recipe.batch_size * world_size, recipe.epochs)
     if step > total:
         return UserError(f"step {step} is beyond this run's last, {total} ({recipe.epochs} "
                          f"epochs of {samples} samples, {recipe.batch_size} x {world_size} "

@@ -33,7 +33,7 @@ from ..run.schedule import Schedule
 from ..train import build_classifier, make_trainer, train_step
 from . import ours_resume, resume
 from .recipe import Recipe, check_network, evaluation_steps, parse, write_log
-from .task import INPUT, as_input, input_batches, load_task, rank_rows, steps_per_epoch
+from .task import INPUT, as_input, input_batches, load_task, rank_rows, run_steps
 
 
 def mlp(recipe: Recipe) -> nn.HybridSequential:
@@ -126,7 +126,7 @@ def train(recipe: Recipe, watch: Callable[[ClassCenters], None] | None = None) -
     losses, seconds = progress["losses"], progress["seconds"]
     global_batch = recipe.batch_size * world.size
     schedule = Schedule.of(len(y), global_batch, recipe.epochs, 0, 0.0, [], config.lr_power)
-    total = steps_per_epoch(len(y), global_batch) * recipe.epochs
+    total = run_steps(len(y), global_batch, recipe.epochs)
     evaluate_at = evaluation_steps(total, recipe.evaluations)
     started = time.perf_counter() - progress["wall"]
     for epoch in range(state.epoch, recipe.epochs):

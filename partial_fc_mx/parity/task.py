@@ -218,6 +218,11 @@ def steps_per_epoch(samples_count: int, global_batch: int) -> int:
     return samples_count // global_batch
 
 
+def run_steps(samples_count: int, global_batch: int, epochs: int) -> int:
+    """A whole run's steps: every epoch's full global batches."""
+    return steps_per_epoch(samples_count, global_batch) * epochs
+
+
 def rank_rows(samples_count: int, global_batch: int, seed: int, epoch: int, rank: int,
               world: int) -> np.ndarray:
     """This rank's sample indices for every step of `epoch` (steps x B), in our
