@@ -7,8 +7,14 @@
 # Arguments are config overrides (key=value) or --work-dir DIR.
 # PFC_COMMAND=check runs the preflight instead of training, under the same launcher.
 # Relative paths (CONFIG, rec, --work-dir) are taken from the folder it is launched in.
+# Stop it with SIGTERM, SIGINT or SIGUSR1 to every process: each saves after its current
+# step (docs/launching.md, "Stopping a job").
+#   bash config.sh --help                 # this text; `python -m partial_fc_mx train --help`
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+case "${1:-}" in
+  -h|--help) sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; exit 0 ;;
+esac
 CONFIG=${CONFIG:-$root/configs/orl.py}
 if [ -x "$root/.venv/bin/python" ]; then
   python="$root/.venv/bin/python"  # has the package installed (pip install -e)

@@ -3,23 +3,34 @@
 #   bash run.sh                                  # default: ORL real faces, 2 CPU processes
 #   bash run.sh num_epoch=5                      # config overrides reach every process
 #   NP=16 HOSTFILE=hosts/host_16 CONFIG=configs/ms1mv3_r50.py bash run.sh
-# Environment: NP (processes, default 2), HOSTFILE (default: NP slots on localhost),
-# CONFIG (default configs/orl.py), MXNET_PACKAGE (GPU build, see setup-utils/install.sh),
-# MAX_RESTARTS (default 0: relaunch a failed job on the hosts that still answer, resuming
-# from its last checkpoint, at most this many times; setup-utils/restarts.sh).
+#   bash run.sh --help                           # this text, without setting anything up
+# Arguments: config overrides (key=value), --work-dir DIR, --resume-from DIR, --load-from DIR.
+# Environment: NP (processes, default 2), HOSTFILE (an Open MPI hostfile; default: NP
+# slots on localhost), CONFIG (default configs/orl.py), MXNET_PACKAGE (GPU build, see
+# setup-utils/install.sh), MAX_RESTARTS (default 0: relaunch a failed job on the hosts
+# that still answer, resuming from its last checkpoint, at most this many times),
+# STOP_GRACE (default 30: seconds Open MPI gives the ranks to save when mpirun itself is
+# signalled; setup-utils/restarts.sh, docs/launching.md).
+# Stop it with Ctrl-C or `kill <this shell's pid>`: every rank saves after its current
+# step, and it exits with status 143 (and is not relaunched).
 # Relative paths (CONFIG, HOSTFILE, rec, --work-dir) are taken from the folder it is
 # launched in, on every host.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)  # -P: as realpath spells it below
+case "${1:-}" in
+  -h|--help) sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; exit 0 ;;
+esac
 NP=${NP:-2}
 CONFIG=${CONFIG:-$root/configs/orl.py}
 HOSTFILE=${HOSTFILE:-}
 
 bash "$root/setup-utils/install.sh"
 export PATH="$root/.venv/bin:$PATH"
+python="$root/.venv/bin/python"
+source "$root/setup-utils/restarts.sh"  # checks MAX_RESTARTS and the others first
 if [ "$(realpath -m "$CONFIG")" = "$root/configs/orl.py" ] && [ ! -f data/orl/train.rec ]; then
   echo "== packing the default job's data: ORL faces -> $PWD/data/orl"
-  "$root/.venv/bin/python" -m partial_fc_mx pack-orl data/orl
+  "$python" -m partial_fc_mx pack-orl data/orl
 fi
 
 # Open MPI's daemons notice a lost host by TCP keepalives on their (idle) control
@@ -28,21 +39,29 @@ fi
 export OMPI_MCA_oob_tcp_keepalive_time=${OMPI_MCA_oob_tcp_keepalive_time:-30}
 export OMPI_MCA_oob_tcp_keepalive_intvl=${OMPI_MCA_oob_tcp_keepalive_intvl:-10}
 export OMPI_MCA_oob_tcp_keepalive_probes=${OMPI_MCA_oob_tcp_keepalive_probes:-3}
-# The hosts and their slots (a host line without slots= counts as one), which the
+as_root=()
+[ "$(id -u)" -eq 0 ] && as_root=(--allow-run-as-root)
+# A host's cores: the slots mpirun gives a hostfile line without slots= (or max_slots=).
+host_cores() {
+  timeout -k 5 "$PROBE_TIMEOUT" mpirun "${as_root[@]}" -np 1 -H "$1:1" lscpu -p=core,socket \
+    | grep -v '^#' | sort -u | wc -l
+}
+# The hosts and their slots as mpirun reads the hostfile (run/hostfile.py), which the
 # restart supervisor narrows to those that still answer (setup-utils/restarts.sh).
 HOSTS=(); SLOTS=()
 if [ -n "$HOSTFILE" ]; then
-  while read -r host options; do
-    [ -z "$host" ] || [ "${host:0:1}" = "#" ] && continue
-    slots=1
-    [[ $options =~ slots=([0-9]+) ]] && slots=${BASH_REMATCH[1]}
+  listed=$("$python" -m partial_fc_mx hostfile "$HOSTFILE") || exit 2
+  while read -r host slots; do
+    if [ "$slots" = cores ] && ! slots=$(host_cores "$host"); then
+      echo "run.sh: $HOSTFILE gives $host no slots= and it did not answer within" \
+           "$PROBE_TIMEOUT s (mpirun -H $host:1); give it slots=N or check the host" >&2
+      exit 2
+    fi
     HOSTS+=("$host"); SLOTS+=("$slots")
-  done < "$HOSTFILE"
+  done <<<"$listed"
 else
   HOSTS=(localhost); SLOTS=("$NP")
 fi
-as_root=()
-[ "$(id -u)" -eq 0 ] && as_root=(--allow-run-as-root)
 # Pass the caller's environment for the run through to every process, on every host
 # (MXNet's, Horovod's, NCCL's, OpenMP's and oneDNN's settings, e.g. DNNL_MAX_CPU_ISA).
 export CONFIG
@@ -57,15 +76,27 @@ trap 'rm -f "$said" "$hosts_now"' EXIT
 # One process per slot of HOSTS/SLOTS, NP in all; PFC_COMMAND=check: the preflight.
 # -wdir: every process starts in this folder, so relative paths mean the same on every
 # host; a host that lacks it stops the job instead of silently using its home folder.
+# Training runs in a session of its own, so that a terminal's Ctrl-C reaches this shell
+# alone, which asks every rank to save (restarts.sh sends mpirun SIGUSR1, which it hands
+# to every rank); and with Open MPI's kill delay raised to STOP_GRACE, so that a SIGTERM
+# or SIGINT to mpirun itself leaves the ranks time to save (it sends them SIGTERM after
+# STOP_GRACE seconds, SIGKILL after as many again: so long does a crashed job take to end).
 launch_training() {
-  local placement=(-H "localhost:$NP" --oversubscribe)
+  local placement=(-H "localhost:$NP" --oversubscribe) detach=() stops=() name
   if [ -n "$HOSTFILE" ]; then
-    for i in "${!HOSTS[@]}"; do echo "${HOSTS[$i]} slots=${SLOTS[$i]}"; done > "$hosts_now"
+    "$python" -m partial_fc_mx hostfile "$HOSTFILE" --keep "${HOSTS[@]}" >"$hosts_now"
     placement=(--hostfile "$hosts_now")
   fi
-  PFC_COMMAND=${PFC_COMMAND:-train} mpirun -np "$NP" -bind-to none -map-by slot -wdir "$PWD" \
-    "${placement[@]}" "${as_root[@]}" "${forwarded[@]}" -x PFC_COMMAND \
-    bash "$root/config.sh" "$@"
+  if [ "${PFC_COMMAND:-train}" = train ]; then
+    detach=(setsid)
+    stops=(--mca odls_base_sigkill_timeout "$STOP_GRACE")
+  fi
+  for name in PFC_JOB PFC_STOPPED_STATUS; do
+    [ -n "${!name+set}" ] && stops+=(-x "$name")
+  done
+  PFC_COMMAND=${PFC_COMMAND:-train} "${detach[@]}" mpirun -np "$NP" -bind-to none \
+    -map-by slot -wdir "$PWD" "${placement[@]}" "${as_root[@]}" "${forwarded[@]}" \
+    -x PFC_COMMAND "${stops[@]}" bash "$root/config.sh" "$@"
 }
 probe_host() {
   timeout -k 5 "$PROBE_TIMEOUT" mpirun "${as_root[@]}" -np 1 -H "$1:1" true
@@ -84,6 +115,4 @@ if [ "$status" -ne 0 ]; then
   exit 1
 fi
 echo "== training"
-python="$root/.venv/bin/python"
-source "$root/setup-utils/restarts.sh"
 train_with_restarts "$@"

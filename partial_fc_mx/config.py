@@ -122,6 +122,11 @@ class Config:
     # --- optimisation ---
     batch_size: int = 128
     """Per process."""
+    reference_batch: int = 0
+    """The global batch that max_steps and lr_steps count steps of; 0: batch_size x the
+    processes of the run's first launch. A resume keeps its checkpoint's; the restart
+    supervisor sets it when it relaunches a job that has no checkpoint yet on fewer
+    processes, so that the schedule holds (run/schedule.py)."""
     optimizer: str = "sgd"
     """The backbone's: "sgd" (with momentum) or "adamw" (decoupled weight decay; try
     lr=0.001, weight_decay=0.1). The class centers': center_optimizer."""
@@ -224,6 +229,9 @@ class Config:
         if not 0 <= self.dropout < 1:
             problems.append(f"dropout={self.dropout} must be in [0, 1)")
         problems += self.augmentation().problems()
+        if not isinstance(self.reference_batch, int) or self.reference_batch < 0:
+            problems.append(f"reference_batch={self.reference_batch} must be a whole number "
+                            "of images (0: batch_size x the processes)")
         if any(not isinstance(s, int) or s <= 0 for s in self.lr_steps):
             problems.append(f"lr_steps={self.lr_steps} must be positive step counts")
         if problems:
@@ -267,9 +275,11 @@ class Config:
         if self.center_update not in ("auto", *CENTER_UPDATES):
             return [f"center_update={self.center_update!r} must be one of "
                     f"{', '.join(map(repr, ('auto', *CENTER_UPDATES)))}"]
-        if not self.center_lazy_update and self.center_update not in ("auto", "lazy", "dense"):
+        if not self.center_lazy_update and self.center_update not in ("auto", "dense"):
             return [f"center_lazy_update=False (the earlier switch, \"dense\") and "
-                    f"center_update={self.center_update!r} disagree: give center_update only"]
+                    f"center_update={self.center_update!r} disagree (a _base_ config may set "
+                    "the first): give center_update only, and center_lazy_update=True or "
+                    "not at all"]
         if update == "dense" and self.fp16_centers:
             named = ("center_lazy_update=False" if not self.center_lazy_update
                      else "center_update='dense'")

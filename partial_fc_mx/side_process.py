@@ -12,6 +12,10 @@ import signal
 import sys
 
 NICENESS = 19
+SIDE_SESSION = True
+"""Start it in a session of its own (subprocess's start_new_session): a signal to the
+rank's process group (a terminal's Ctrl-C, a launcher's stop) is for the rank, which
+then ends its side processes itself; PR_SET_PDEATHSIG ends them if the rank dies."""
 
 
 def become_side_process(parent: int, nice: bool = True) -> None:

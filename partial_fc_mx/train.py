@@ -17,6 +17,7 @@ before the next collective, so every rank stops with the same message.
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import time
 from collections.abc import Iterator
@@ -47,6 +48,7 @@ from .run.data_source import make_loader, open_dataset
 from .run.heartbeat import Heartbeat
 from .run.interrupts import StopRequest, Watchdog
 from .run.precision import LossScaler, build_backbone, clip_global_norm
+from .run.restarts import JOB_VARIABLE
 from .run.schedule import Schedule
 from .run.training_log import TrainingLog
 from .sizing.preflight import dataset_disagreement_across_ranks
@@ -145,7 +147,8 @@ def after_step(run: Run, loss: float, lr: float, stopping: bool) -> Due:
             f"the loss became {loss} at step {state.step} (lr {lr:g}); stopping "
             "without saving. The last good checkpoint is untouched: lower lr or "
             "set clip_grad, then resume with --resume-from"))
-    run.log.step(state.step, epoch, loss, lr, run.scaler.scale, state.images_seen)
+    run.log.step(state.step, epoch, loss, lr, run.scaler.scale if run.scaler.dynamic else None,
+                 state.images_seen)
     due = due_after(run.config, state, run.schedule.done(state.epoch, state.images_in_epoch),
                     dist.any_rank(stopping, name="stop"))
     if due.evaluate:
@@ -153,8 +156,7 @@ def after_step(run: Run, loss: float, lr: float, stopping: bool) -> Due:
     if due.save:
         save(run, export=not due.stop, last=due.done)
     if due.stop:
-        run.log.info(f"stopped by a signal at step {state.step}; resume with "
-                     f"--resume-from {run.work_dir}")
+        run.log.stopped(state.step, run.work_dir)
     return due
 
 
@@ -223,7 +225,7 @@ def start(config: Config, resume_from: str | None, load_from: str | None) -> Run
     total = state.step + schedule.steps_left(state.epoch, state.images_in_epoch,
                                              loader.global_batch)
     log = TrainingLog(work_dir, world.is_main, total, loader.global_batch, config.frequent,
-                      first_step=state.step)
+                      first_step=state.step, job=os.environ.get(JOB_VARIABLE))
     for note in [*notes, describe(config, world, ctx, precision, loader, state, total)]:
         log.info(note)
     scaler = LossScaler.resumed(precision.dtype != "float32",
@@ -305,7 +307,8 @@ def restore(config: Config, world: dist.World, ctx: mx.Context, work_dir: Path, 
     """The state to start from and notes for the log: a checkpoint's (--resume-from),
     or step 0, with a checkpoint's weights (--load-from) or fresh ones. Checkpoints in
     work_dir past that step belong to another run (or an abandoned future): moved aside."""
-    state, notes = TrainState(reference_batch=config.batch_size * world.size), []
+    state = TrainState(reference_batch=config.reference_batch or config.batch_size * world.size)
+    notes = []
     source = resume_from or load_from
     if source:
         path, notes = checkpoint.find_resumable(source, world, weights_only=not resume_from)
@@ -319,6 +322,10 @@ def restore(config: Config, world: dist.World, ctx: mx.Context, work_dir: Path, 
         state = dist.run_agreed(load, "restore", (CheckpointError, OptimizerStateError),
                                 CheckpointError, f"cannot load {path}")
         notes.append(f"{'resuming from' if resume_from else 'loaded the weights of'} {path}")
+        if resume_from and config.reference_batch not in (0, state.reference_batch):
+            notes.append(f"reference_batch={config.reference_batch} is not used: the "
+                         f"resumed run's steps are steps of {state.reference_batch} images, "
+                         "as it started")
         if resume_from and (change := checkpoint.update_change(path, pfc)):
             notes.append(change)
     aside = dist.run_agreed(lambda: checkpoint.set_aside(work_dir, newer_than=state.step
@@ -391,6 +398,8 @@ def evaluate(run: Run) -> None:
         results = run.validator.evaluate(mxnet_forward(run.model, run.ctx), step)
         for name, result in results.items():
             log.evaluation(name, step, result)
+        for name, why in run.validator.unscored.items():
+            log.info(f"WARNING: [{name}][{step}] {why}")
         best = run.validator.keep_if_best(step, lambda prefix: checkpoint.save_backbone(
             run.net, prefix))
         if best is not None:
@@ -410,6 +419,8 @@ def report_baseline(run: Run) -> None:
     sample = FaceLoader(run.dataset, min(len(run.dataset), 2000), mirror=False, seed=0)
     train_images = next(iter(sample.epoch(0))).images
     for pairs in run.validator.sets:
+        if pairs.name not in run.validator.accuracy:  # not scored (not finite): said so
+            continue
         baseline = eigenfaces_accuracy(train_images, pairs)
         run.log.baseline(pairs.name, run.validator.accuracy[pairs.name],
                          run.validator.before_training.get(pairs.name), baseline.accuracy)

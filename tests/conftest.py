@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -219,6 +220,20 @@ def logged(work_dir: Path) -> dict:
     accuracy = [(r["step"], r["accuracy"]) for r in records if r["kind"] == "evaluation"]
     return {"losses": {r["step"]: r["loss"] for r in steps}, "steps": steps,
             "accuracy": accuracy, "text": (work_dir / "training.log").read_text()}
+
+
+def wait_for_step(job, work: Path, step: int, timeout: float = 240) -> None:
+    """Until metrics.jsonl has a record of `step`; fails if the job ends first."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert job.poll() is None, "the job ended early"
+        try:
+            if max(logged(work)["losses"], default=0) >= step:
+                return
+        except (OSError, ValueError):  # not yet written, or a line half-written
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"step {step} not reached within {timeout} s")
 
 
 def damage_header(directory: Path, record_id: int) -> None:

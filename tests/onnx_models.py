@@ -107,13 +107,14 @@ class Graph:
 def iresnet(path: Path, layers=(2, 2, 2, 2), widths=(64, 128, 256, 512), stem: int = 64,
             stem_stride: int = 1, embedding: int = 512, seed: int = 0, folded: bool = True,
             normalize: tuple | None = None, scale_after: str | None = None,
-            conv_bias: bool = False, features_gamma: bool = False,
+            scale_by: float = 1.5, conv_bias: bool = False, features_gamma: bool = False,
             features_folded: bool = False) -> Path:
     """arcface_torch's IResNet (iresnet18: layers (2, 2, 2, 2); iresnet50: (3, 4, 14, 3));
     other widths and a strided stem give our `tiny` its shape. `normalize`: (mean,
     scale) applied inside the graph by Sub and Mul of Constant nodes (value_float, as
     opset 12 writes them), as some converted models do; `scale_after`: a module whose
-    output the graph multiplies by 1.5 (a graph that computes otherwise); `conv_bias`
+    output the graph multiplies by `scale_by` (a graph that computes otherwise, or one
+    whose activations overflow float32); `conv_bias`
     (with folded=False): convolutions with a bias before their BatchNorm;
     `features_gamma`: the embedding's BatchNorm with a learned scale where ours has
     none (moved into its variance); `features_folded`: that BatchNorm folded into the
@@ -136,7 +137,7 @@ def iresnet(path: Path, layers=(2, 2, 2, 2), widths=(64, 128, 256, 512), stem: i
             y = g.conv_norm(y, f"{m}.conv1", f"{m}.bn2", inplanes, planes, 3)
             y = g.prelu(y, f"{m}.prelu", planes)
             if scale_after == f"{m}.prelu":
-                y = g.node("Mul", f"/{m}/scaled", [y, g.anonymous("Mul", np.float32(1.5))])
+                y = g.node("Mul", f"/{m}/scaled", [y, g.anonymous("Mul", np.float32(scale_by))])
             y = g.conv_norm(y, f"{m}.conv2", f"{m}.bn3", planes, planes, 3, stride)
             identity = x
             if i == 0:

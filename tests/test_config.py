@@ -117,6 +117,10 @@ def test_the_default_center_update_is_exact_for_sgd_and_lazy_for_adamw(tmp_path)
         load_config(path, ["center_optimizer=adamw", "center_update=exact"])
     with pytest.raises(ConfigError, match="must be one of 'auto', 'lazy', 'exact', 'dense'"):
         load_config(path, ["center_update=sparse"])
+    for update in ("lazy", "exact"):  # the earlier switch from a _base_ says "dense"
+        with pytest.raises(ConfigError, match=f"center_lazy_update=False .* and "
+                           f"center_update='{update}' disagree"):
+            load_config(path, ["center_lazy_update=False", f"center_update={update}"])
 
 
 def test_missing_or_broken_file_names_it(tmp_path):

@@ -19,6 +19,7 @@ from partial_fc_mx.data.recordio import DataError
 from partial_fc_mx.data.transforms import encode_jpeg
 from partial_fc_mx.evaluation.validator import Validator
 from partial_fc_mx.evaluation.verification import (
+    NonFiniteEmbeddings,
     best_threshold,
     embed,
     load_bin,
@@ -127,6 +128,40 @@ def test_each_distinct_face_is_embedded_once_with_the_same_result(tmp_path):
     expected = ten_fold_accuracy(pair_similarities(every_image), np.asarray(issame))
     assert result.accuracy == expected.accuracy and result.threshold == pytest.approx(
         expected.threshold, abs=1e-5)
+
+
+def test_a_set_whose_embeddings_are_not_finite_is_not_scored_and_says_so(tmp_path):
+    """In eval mode a network a few steps old can overflow: `verify` (the step-0
+    evaluation, `eval`) names the set instead of scoring meaningless similarities; the
+    validator scores the other sets and keeps no best model of that step."""
+    rng = np.random.default_rng(6)
+    faces = [encode_jpeg(rng.integers(0, 256, (112, 112, 3), np.uint8)) for _ in range(4)]
+    flat = [encode_jpeg(np.full((112, 112, 3), level, np.uint8)) for level in (0, 255)]
+    picks = rng.integers(0, 4, 40)
+    issame = (picks[0::2] == picks[1::2]).tolist()
+    faces_set = load_bin(write_bin(tmp_path / "faces.bin", [faces[i] for i in picks], issame))
+    flat_set = load_bin(write_bin(tmp_path / "flat.bin", [flat[i % 2] for i in picks], issame))
+    projection = rng.standard_normal((3 * 112 * 112, 8)).astype(np.float32)
+
+    def overflowing_on_flat_images(batch):
+        pixels = batch.reshape(len(batch), -1)
+        out = pixels @ projection
+        out[pixels.std(axis=1) == 0] = np.inf
+        return out
+
+    with pytest.raises(NonFiniteEmbeddings, match=r"^flat: the embeddings of 2 of its 2 images "
+                                                  r"are not finite \(inf or NaN\), so the "
+                                                  r"model is not scored"):
+        verify(overflowing_on_flat_images, flat_set)
+    validator = Validator([faces_set, flat_set], tmp_path)
+    validator.accuracy = {"faces": 0.5, "flat": 0.9}  # an earlier step's
+    results = validator.evaluate(overflowing_on_flat_images, step=4)
+    assert list(results) == ["faces"] and list(validator.unscored) == ["flat"]
+    assert list(validator.accuracy) == ["faces"]  # not flat's score of an earlier step
+    saved = []
+    assert validator.keep_if_best(4, saved.append) is None and saved == []
+    validator.evaluate(lambda batch: batch.reshape(len(batch), -1) @ projection, step=6)
+    assert validator.unscored == {} and validator.keep_if_best(6, saved.append) is not None
 
 
 def test_the_validator_keeps_the_best_model_and_its_record_across_a_resume(tmp_path):
@@ -252,7 +287,8 @@ def test_onnx_matches_mxnet_with_a_dynamic_batch(work_dir):
     assert out.shape == (3, 64) and np.abs(out - expected).max() <= 1e-4
 
 
-def test_parity_sees_a_wrong_scale_and_refuses_non_finite_embeddings(work_dir, tmp_path):
+def test_parity_sees_a_wrong_scale_and_export_and_parity_refuse_non_finite_embeddings(
+        work_dir, tmp_path):
     for name in ("backbone-symbol.json", "backbone-0000.params", "backbone.onnx"):
         shutil.copy(work_dir / name, tmp_path / name)
     model = onnx.load(str(tmp_path / "backbone.onnx"))  # the same model, output x 2
@@ -267,6 +303,10 @@ def test_parity_sees_a_wrong_scale_and_refuses_non_finite_embeddings(work_dir, t
     mx.nd.save(str(tmp_path / "backbone-0000.params"), params)
     with pytest.raises(ExportError, match="embeddings of random inputs are not finite"):
         parity(tmp_path)
+    before = (tmp_path / "backbone.onnx").read_bytes()
+    with pytest.raises(ExportError, match="not finite .*backbone.onnx was not written"):
+        export_onnx(tmp_path)  # the overflowing model is not exported over the last one
+    assert (tmp_path / "backbone.onnx").read_bytes() == before
 
 
 def test_checker_reports_the_figures_and_budgets(work_dir):

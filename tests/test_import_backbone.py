@@ -174,6 +174,19 @@ def test_a_graph_that_computes_otherwise_is_refused_naming_the_first_layer_that_
     assert not (tmp_path / "work" / "checkpoints").exists()
 
 
+def test_a_source_whose_own_activations_overflow_is_named_so_not_called_another_network(
+        tmp_path):
+    source = tiny(tmp_path / "model.onnx", scale_after="layer1.0.prelu", scale_by=3e38)
+    imported = import_backbone(source, tmp_path / "work", "tiny")
+    assert imported.returncode == 2
+    assert re.search(r"model\.onnx: the source's own outputs are not finite \(inf or NaN\) "
+                     r"from its '/layer1/layer1\.0/\S+' \(our features\.\S+\) on",
+                     imported.stdout), imported.stdout[-2000:]
+    assert "is not the model's architecture" not in imported.stdout
+    assert "RuntimeWarning" not in imported.stdout
+    assert not (tmp_path / "work" / "checkpoints").exists()
+
+
 def test_a_file_that_is_no_model_is_named(tmp_path):
     (tmp_path / "x.onnx").write_bytes(b"not a protobuf")
     imported = import_backbone(tmp_path / "x.onnx", tmp_path / "work", "tiny")

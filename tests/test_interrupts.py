@@ -18,13 +18,20 @@ from partial_fc_mx.run.interrupts import StopRequest
 from partial_fc_mx.train import Due, due_after
 
 
-def test_a_stop_request_records_the_signal_and_gives_the_handlers_back():
-    before = signal.getsignal(signal.SIGTERM)
+@pytest.mark.parametrize("sent", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1])
+def test_a_stop_request_records_the_signal_and_gives_the_handlers_back(sent, monkeypatch):
+    """One exit status whatever the signal, or the launcher's (run.sh, slurm.sbatch: 0)."""
+    before = signal.getsignal(sent)
+    monkeypatch.delenv("PFC_STOPPED_STATUS", raising=False)
     with StopRequest() as stop:
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), sent)
         time.sleep(0.01)
-        assert stop.signal == signal.SIGTERM and stop.exit_code == 128 + 15
-    assert signal.getsignal(signal.SIGTERM) is before
+        assert stop.signal == sent and stop.exit_code == 143
+        monkeypatch.setenv("PFC_STOPPED_STATUS", "0")
+        assert stop.exit_code == 0
+        monkeypatch.setenv("PFC_STOPPED_STATUS", "yes")
+        assert stop.exit_code == 143
+    assert signal.getsignal(sent) is before
     with StopRequest() as again:  # a second run in the same process starts clean
         assert again.signal is None
 

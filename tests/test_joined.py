@@ -119,6 +119,21 @@ def test_a_config_lists_datasets_and_finds_verification_sets_in_them(tmp_path):
         twice.val_paths()
 
 
+def test_a_resume_over_datasets_of_equal_counts_in_the_other_order_is_refused(tmp_path):
+    """Their class and image counts agree both ways round; their train.idx does not."""
+    from partial_fc_mx.run.checkpoint import CheckpointError, refuse_other_datasets
+
+    first = pack_random(tmp_path / "first", 8, 3, seed=1)
+    second = pack_random(tmp_path / "second", 8, 3, seed=2)
+    saved = JoinedDataset([first, second]).composition()
+    refuse_other_datasets(tmp_path, saved, JoinedDataset([first, second]).composition())
+    with pytest.raises(CheckpointError, match=r"was trained on \S+first \(8 classes, 24 "
+                       r"images\) \+ \S+second .*this run's rec is \S+second"):
+        refuse_other_datasets(tmp_path, saved, JoinedDataset([second, first]).composition())
+    older = [{key: d[key] for key in ("rec", "classes", "images")} for d in saved]
+    refuse_other_datasets(tmp_path, older, JoinedDataset([second, first]).composition())
+
+
 def test_inspect_shows_each_dataset_and_what_they_are_together(tmp_path):
     first, second = two_datasets(tmp_path)
     shown = run(python_module("inspect", str(first), str(second)))

@@ -192,7 +192,10 @@ def test_hosts_with_different_copies_of_the_dataset_are_reported(tmp_path, synth
     assert "the ranks read different copies of the dataset" in said[0]
 
 
-RESTARTS = {"MAX_RESTARTS": "2", "RESTART_BACKOFF": "1", "PROBE_TIMEOUT": "5"}
+# STOP_GRACE: mpirun ends the ranks left after a failure 2 x STOP_GRACE seconds later
+# (docs/launching.md); these jobs fail on purpose and stop by no signal to mpirun
+RESTARTS = {"MAX_RESTARTS": "2", "RESTART_BACKOFF": "1", "PROBE_TIMEOUT": "5",
+            "STOP_GRACE": "2"}
 
 
 def steps_trained(work: Path) -> list[int]:

@@ -20,11 +20,11 @@ from conftest import (
     damage_header,
     finish,
     kill_group,
-    logged,
     rank_pids,
     run,
     slurm_job,
     start,
+    wait_for_step,
 )
 
 from partial_fc_mx import dist
@@ -168,16 +168,20 @@ def test_the_failure_is_told_from_the_most_specific_evidence(tmp_path):
 
 def test_the_same_failure_after_the_same_step_twice_is_refused(tmp_path):
     launched(tmp_path, 12)
-    resume, refusal = restarts.restart(tmp_path, 137, KILLED, ["a", "b"], 2, ["c"], 1)
-    assert (resume, refusal) == (None, None)  # no checkpoint yet: start again
+    relaunch, refusal = restarts.restart(tmp_path, 137, KILLED, ["a", "b"], 2, ["c"], 1, "j1",
+                                         48)
+    # no checkpoint yet: start again, at the first launch's global batch
+    assert (relaunch, refusal) == (["reference_batch=48"], None)
     assert not list(heartbeat.beats_dir(tmp_path).iterdir())  # read: the next launch's own
     (tmp_path / "checkpoints" / "step_000010").mkdir(parents=True)
     launched(tmp_path, 12, "second")
-    resume, refusal = restarts.restart(tmp_path, 1, "error: other\n", ["a", "b"], 2, [], 2)
-    assert (resume, refusal) == (str(tmp_path), None)
+    relaunch, refusal = restarts.restart(tmp_path, 1, "error: other\n", ["a", "b"], 2, [], 2,
+                                         "j1", 48)
+    assert (relaunch, refusal) == (["--resume-from", str(tmp_path)], None)
     launched(tmp_path, 12, "third")
-    resume, refusal = restarts.restart(tmp_path, 1, "error: other\n", ["a", "b"], 2, [], 3)
-    assert resume is None and refusal.startswith(
+    relaunch, refusal = restarts.restart(tmp_path, 1, "error: other\n", ["a", "b"], 2, [], 3,
+                                         "j1", 48)
+    assert relaunch == [] and refusal.startswith(
         "not restarting: the job failed again after step 12 for the same reason (error: "
         "other)")
     text = (tmp_path / "training.log").read_text()
@@ -195,43 +199,39 @@ def test_the_same_failure_is_refused_without_a_new_checkpoint_but_not_after_one(
     be seen a step or two apart; a checkpoint saved in between is progress."""
     (tmp_path / "checkpoints" / "step_000010").mkdir(parents=True)
     launched(tmp_path, 12)
-    assert restarts.restart(tmp_path, 137, KILLED, ["a"], 2, [], 1) == (str(tmp_path), None)
+    resume = ["--resume-from", str(tmp_path)]
+    assert restarts.restart(tmp_path, 137, KILLED, ["a"], 2, [], 1, "j", 48) == (resume, None)
     launched(tmp_path, 14, "second")
     (tmp_path / "checkpoints" / "step_000013").mkdir()
-    assert restarts.restart(tmp_path, 137, KILLED, ["a"], 2, [], 2) == (str(tmp_path), None)
+    assert restarts.restart(tmp_path, 137, KILLED, ["a"], 2, [], 2, "j", 48) == (resume, None)
     launched(tmp_path, 15, "third")  # the same rank killed again, no checkpoint since 13
-    resume, refusal = restarts.restart(tmp_path, 137, KILLED, ["a"], 2, [], 3)
-    assert resume is None and "failed again after step 15 for the same reason" in refusal
+    relaunch, refusal = restarts.restart(tmp_path, 137, KILLED, ["a"], 2, [], 3, "j", 48)
+    assert relaunch == [] and "failed again after step 15 for the same reason" in refusal
 
 
-def test_a_job_stopped_on_purpose_is_not_relaunched_whatever_its_status(tmp_path):
-    resume, refusal = restarts.restart(
-        tmp_path, 1, "12:00 stopped by a signal at step 6; resume with ...", ["a"], 2, [], 1)
-    assert resume is None and refusal == ("not restarting: the job was stopped on purpose "
-                                          "(a signal) and saved at step 6")
+def test_another_jobs_failure_in_the_same_work_dir_is_not_this_ones(tmp_path):
+    """An earlier job in the default work_dirs/<config> failed before its first save;
+    a new job's first failure, the same before any checkpoint, is a restart, not a
+    refusal."""
+    launched(tmp_path, 0)
+    assert restarts.restart(tmp_path, 137, KILLED, ["a"], 2, [], 1, "old", 48)[1] is None
+    launched(tmp_path, 0, "new")
+    assert restarts.restart(tmp_path, 137, KILLED, ["a"], 2, [], 1, "new", 48) == (
+        ["reference_batch=48"], None)
+    launched(tmp_path, 0, "again")
+    assert restarts.restart(tmp_path, 137, KILLED, ["a"], 2, [], 2, "new", 48)[1].startswith(
+        "not restarting: the job failed again")
 
 
-RESTARTING = {"MAX_RESTARTS": "2", "RESTART_BACKOFF": "0", "NP": "2"}
+# STOP_GRACE: mpirun ends the ranks left after a failure 2 x STOP_GRACE seconds later
+# (docs/launching.md); these jobs fail on purpose and stop by no signal to mpirun
+RESTARTING = {"MAX_RESTARTS": "2", "RESTART_BACKOFF": "0", "NP": "2", "STOP_GRACE": "2"}
 
 
 def run_sh(config: Path, work: Path, env: dict | None = None):
     """`bash run.sh` on 2 local processes, restarting up to twice, as users launch it."""
     return start(["bash", str(REPO / "run.sh"), "--work-dir", str(work)],
                  env={**RESTARTING, "CONFIG": str(config), **(env or {})})
-
-
-def wait_for_step(job, work: Path, step: int, timeout: float = 240) -> None:
-    """Until metrics.jsonl has a record of `step`; fails if the job ends first."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        assert job.poll() is None, "the job ended early"
-        try:
-            if max(logged(work)["losses"], default=0) >= step:
-                return
-        except (OSError, ValueError):  # not yet written, or a line half-written
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"step {step} not reached within {timeout} s")
 
 
 def test_the_same_failure_after_the_same_step_twice_stops_with_its_reason(tmp_path, synthetic):
@@ -255,21 +255,26 @@ def test_the_same_failure_after_the_same_step_twice_stops_with_its_reason(tmp_pa
     assert "restart 2" not in text
 
 
-def test_a_job_stopped_with_sigterm_is_not_restarted(tmp_path, synthetic):
-    """A scheduler's SIGTERM to a rank: every rank saves and stops; the supervisor
-    leaves it stopped, though restarts are allowed."""
+@pytest.mark.parametrize("signalled", ["a rank", "run.sh's shell"])
+def test_a_job_stopped_with_sigterm_is_not_restarted(tmp_path, synthetic, signalled):
+    """A scheduler's SIGTERM to a rank, or a person's to run.sh: every rank saves and
+    stops; the supervisor says so once, exits 143 and leaves it stopped, though restarts
+    are allowed."""
     config = config_file(tmp_path, synthetic, num_epoch=1000, val_targets=[])
     work = tmp_path / "work"
     job = run_sh(config, work)
     try:
         wait_for_step(job, work, 3)
-        os.kill(rank_pids(f"partial_fc_mx train {config}")[-1], signal.SIGTERM)
+        os.kill(rank_pids(f"partial_fc_mx train {config}")[-1] if signalled == "a rank"
+                else job.pid, signal.SIGTERM)
         result = finish(job, timeout=120)
     finally:
         kill_group(job)
-    assert result.returncode != 0, result.stdout[-3000:]
-    assert "not restarting" in result.stdout, result.stdout[-3000:]
-    assert "stopped by a signal at step" in (work / "training.log").read_text()
+    assert result.returncode == 143, result.stdout[-3000:]
+    stops = read_metrics(work)["stops"]
+    assert len(stops) == 1 and re.findall(r"^stopped on purpose.*$", result.stdout, re.M) == [
+        f"stopped on purpose: every rank saved at step {stops[0]['step']}; not restarting "
+        "(exit status 143)"], result.stdout[-3000:]
     assert "restart 1" not in (work / "training.log").read_text()
     assert not read_metrics(work)["restarts"]
 

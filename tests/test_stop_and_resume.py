@@ -134,3 +134,23 @@ def test_a_resume_where_the_epoch_has_no_global_batch_left_goes_on_with_the_next
     assert [line["epoch"] for line in lines] == [1] * 15  # all of epoch 1, nothing else
     assert lines[0]["images"] == 29 * PER_RANK + 2 * PER_RANK
     assert (tmp_path / "resumed" / "checkpoints" / "step_000044").is_dir()
+
+
+def test_a_run_started_again_on_fewer_processes_keeps_the_first_launchs_schedule(
+        tmp_path, small):
+    """The restart supervisor relaunches a job that has no checkpoint yet with
+    reference_batch = the first launch's global batch: max_steps (and lr_steps) are
+    steps of that batch, so one process trains the images two would have."""
+    config = config_file(tmp_path, small, num_classes=60, batch_size=PER_RANK, max_steps=5,
+                         lr_steps=[3], val_targets=[])
+    two = mpirun(2, train_args(config, tmp_path / "two"), timeout=300)
+    assert two.returncode == 0, two.stdout[-3000:]
+    one = run(train_args(config, tmp_path / "one", f"reference_batch={2 * PER_RANK}"),
+              timeout=300)
+    assert one.returncode == 0, one.stdout[-3000:]
+    first, again = logged(tmp_path / "two")["steps"], logged(tmp_path / "one")["steps"]
+    assert first[-1]["images"] == again[-1]["images"] == 5 * 2 * PER_RANK
+    assert len(again) == 10
+    for lines, batch in ((first, 2 * PER_RANK), (again, PER_RANK)):  # lr / 10 after 3
+        rates = lr_by_start(lines, batch)                          # steps of 24 in both
+        assert min(p for p, rate in rates.items() if rate < 0.1 - 1e-9) == 3 * 2 * PER_RANK

@@ -38,22 +38,26 @@ def test_the_log_says_how_much_of_a_step_waits_for_data(tmp_path, data_seconds, 
 def test_every_training_log_line_of_a_record_is_made_from_its_metrics_record(tmp_path):
     log = TrainingLog(tmp_path, enabled=True, total_steps=4, global_batch=8, frequent=2)
     log.evaluation("heldout", 0, VerificationResult(0.5, 0.1, 0.5, {1e-3: 0.25}))
-    for step in range(1, 5):
-        log.step(step, epoch=0, loss=1.0 / step, lr=0.1 * step, loss_scale=1.0, images=8 * step)
+    for step in range(1, 5):  # a float32 run scales no loss: it writes no loss scale
+        log.step(step, epoch=0, loss=1.0 / step, lr=0.1 * step,
+                 loss_scale=2.0 if step < 3 else None, images=8 * step)
     log.baseline("heldout", 0.9, 0.5, 0.8)
+    log.stopped(4, tmp_path)
     log.info("a note, in training.log only")
     log.close()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     start = records.pop(0)
-    assert start == {"kind": "start", "step": 0, "time": start["time"]}
+    assert start == {"kind": "start", "step": 0, "job": None, "time": start["time"]}
     assert abs(start["time"] - time.time()) < 60
-    assert [r["kind"] for r in records] == ["evaluation", "step", "step", "baseline"]
+    assert [r["kind"] for r in records] == ["evaluation", "step", "step", "baseline", "stop"]
     assert records[1]["loss"] == 0.75 and records[2]["learning_rate"] == 0.4  # full precision
+    assert records[1]["loss_scale"] == 2.0 and "loss_scale" not in records[2]
     lines = [line.split(" ", 2)[2] for line in (tmp_path / "training.log").read_text().splitlines()]
     assert lines == [*map(human_line, records), "a note, in training.log only"]
     assert lines[0] == "[heldout][0]Accuracy-Flip: 0.50000+-0.10000   TAR@FAR=0.001: 0.25000"
     assert lines[3] == ("[heldout] model accuracy 0.9000 (0.5000 at step 0, before training) vs "
                         "eigenfaces (PCA) baseline 0.8000 on the same pairs")
+    assert lines[4] == f"stopped by a signal at step 4; resume with --resume-from {tmp_path}"
     assert re.fullmatch(r"Speed [\d.]+ samples/sec   Loss 0\.2917   LearningRate 0\.400000   "
                         r"Epoch: 0   Global Step: 4   Required: 0\.0 hours   DataWait: [\d.]+%   "
                         r"Images: 32", lines[2])
@@ -136,7 +140,7 @@ def test_plot_compares_several_runs_on_the_same_figures(tmp_path, monkeypatch):
     assert curves["loss.png"]["title"] == f"loss ({tmp_path / 'plain' / 'split0'})"
 
 
-def test_plot_marks_each_restart_where_the_job_had_failed(tmp_path, monkeypatch):
+def test_plot_marks_each_restart_where_the_job_had_failed_and_each_stop(tmp_path, monkeypatch):
     import matplotlib.figure
 
     from partial_fc_mx.run.metrics import append_record
@@ -151,12 +155,51 @@ def test_plot_marks_each_restart_where_the_job_had_failed(tmp_path, monkeypatch)
     real_savefig = matplotlib.figure.Figure.savefig
 
     def savefig(figure, path, **kwargs):
-        marks[path.name] = [list(line.get_xdata()) for line in figure.axes[0].get_lines()
-                            if line.get_label() == "restart"]
+        marks[path.name] = [(line.get_label(), list(line.get_xdata()))
+                            for line in figure.axes[0].get_lines()
+                            if line.get_label() in ("restart", "stopped")]
         return real_savefig(figure, path, **kwargs)
 
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    append_record(work, {"kind": "stop", "step": 4, "work_dir": str(work)})
     plot_work_dirs([str(work)])
-    assert marks == {name: [[3, 3]] for name in ("loss.png", "learning_rate.png", "speed.png")}
+    assert marks == {name: [("restart", [3, 3]), ("stopped", [4, 4])]
+                     for name in ("loss.png", "learning_rate.png", "speed.png")}
     assert "restart 1: rank 1 on b was ended by signal 9 after step 3; relaunching 2 " \
         "processes on a, b, from checkpoint step 2" in (work / "training.log").read_text()
+
+
+def restart_record(work_dir, step: int, job: str) -> None:
+    from partial_fc_mx.run.metrics import append_record
+
+    append_record(work_dir, {"kind": "restart", "attempt": 1, "step": step, "failure": "signal",
+                             "who": "rank 1", "reason": "rank 1 on b was ended by signal 9",
+                             "hosts": ["a"], "processes": 1, "dropped": [],
+                             "checkpoint": None, "job": job})
+
+
+def test_a_new_run_in_the_work_dir_leaves_the_earlier_runs_restarts_and_stops_behind(tmp_path):
+    """A job relaunched before its first checkpoint starts at step 0 again and keeps its
+    restart; a new job (or a run by hand) in the same work dir starts afresh."""
+    first = TrainingLog(tmp_path, enabled=True, total_steps=9, global_batch=8, frequent=1,
+                        job="job-1")
+    first.step(1, epoch=0, loss=3.0, lr=0.1, loss_scale=None, images=8)
+    first.close()
+    restart_record(tmp_path, 1, "job-1")
+    again = TrainingLog(tmp_path, enabled=True, total_steps=9, global_batch=8, frequent=1,
+                        job="job-1")
+    again.step(1, epoch=0, loss=2.0, lr=0.1, loss_scale=None, images=8)
+    again.stopped(1, tmp_path)
+    again.close()
+    series = read_metrics(tmp_path)
+    assert [r["step"] for r in series["restarts"]] == [1] and series["loss"] == [2.0]
+    assert [r["step"] for r in series["stops"]] == [1]
+    resumed = TrainingLog(tmp_path, enabled=True, total_steps=9, global_batch=8, frequent=1,
+                          first_step=1, job="job-2")
+    resumed.close()
+    assert len(read_metrics(tmp_path)["restarts"]) == len(read_metrics(tmp_path)["stops"]) == 1
+    for job in ("job-2", None):  # another job, or a run launched by hand
+        TrainingLog(tmp_path, enabled=True, total_steps=9, global_batch=8, frequent=1,
+                    job=job).close()
+        series = read_metrics(tmp_path)
+        assert series["restarts"] == [] and series["stops"] == [] and series["step"] == []

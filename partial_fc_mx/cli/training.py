@@ -37,11 +37,13 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
         command.add_argument("--load-from", metavar="DIR",
                              help=f"take the weights of a checkpoint, start at step 0{resumes}")
     add_restart_command(commands)
+    add_hostfile_command(commands)
 
 
 def add_restart_command(commands: argparse._SubParsersAction) -> None:
     summary = ("between two launches of a failed training (run.sh, slurm.sbatch with "
-               "MAX_RESTARTS): record why it ended and print the work dir to resume from")
+               "MAX_RESTARTS): record why it ended and print the arguments to relaunch "
+               "with, one per line")
     command = commands.add_parser("restart", help=summary, description=summary)
     command.set_defaults(func=restart_command)
     command.add_argument("config")
@@ -55,6 +57,34 @@ def add_restart_command(commands: argparse._SubParsersAction) -> None:
     command.add_argument("--processes", type=int, required=True)
     command.add_argument("--dropped", nargs="*", default=[], help="hosts that did not answer")
     command.add_argument("--attempt", type=int, required=True, help="1 for the first restart")
+    command.add_argument("--job", required=True,
+                         help="the supervisor's id of this job (PFC_JOB): only its own "
+                              "earlier restarts count as the same failure")
+    command.add_argument("--first-processes", type=int, required=True,
+                         help="how many processes the job's first launch had")
+
+
+def add_hostfile_command(commands: argparse._SubParsersAction) -> None:
+    summary = ("read an Open MPI hostfile as mpirun does: each host and its slots ('cores': "
+               "as many as it has cores), as run.sh reads it")
+    command = commands.add_parser("hostfile", help=summary, description=summary)
+    command.set_defaults(func=hostfile_command)
+    command.add_argument("file", help="the hostfile, e.g. hosts/host_16")
+    command.add_argument("--keep", nargs="+", metavar="HOST",
+                         help="print the file's own lines for these hosts only (what a "
+                              "restart relaunches on)")
+
+
+def hostfile_command(args: argparse.Namespace) -> int:
+    from ..run.hostfile import narrowed, read_hostfile
+
+    hosts = read_hostfile(Path(args.file))
+    if args.keep:
+        sys.stdout.write(narrowed(hosts, args.keep))
+        return 0
+    for host in hosts:
+        print(host.name, "cores" if host.slots is None else host.slots)
+    return 0
 
 
 def launched() -> bool:
@@ -98,17 +128,18 @@ def train_command(args: argparse.Namespace) -> int:
 
 
 def restart_command(args: argparse.Namespace) -> int:
-    """Prints the work dir to resume from (an empty line: start again), or says why not
-    to relaunch and returns 1."""
+    """Prints the arguments to relaunch with, one per line, or says why not to relaunch
+    and returns 1."""
     from ..run.restarts import restart
 
     config, _ = config_of(args)
     output = Path(args.output).read_text(errors="replace")
-    resume, refusal = restart(Path(config.output), args.status, output, args.hosts,
-                              args.processes, args.dropped, args.attempt)
+    relaunch, refusal = restart(Path(config.output), args.status, output, args.hosts,
+                                args.processes, args.dropped, args.attempt, args.job,
+                                config.batch_size * args.first_processes)
     if refusal:  # said in training.log and on stderr
         return 1
-    print(resume or "")
+    print("\n".join(relaunch))
     return 0
 
 

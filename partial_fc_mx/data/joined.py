@@ -83,10 +83,11 @@ class JoinedDataset:
         return self.num_images
 
     def composition(self) -> list[dict]:
-        """Each dataset's folder, classes and images, in order: what checkpoints keep,
-        so that a resume with the list reordered or changed is refused."""
-        return [{"rec": str(part.directory), "classes": part.num_classes, "images": len(part)}
-                for part in self.parts]
+        """Each dataset's folder, classes, images and train.idx fingerprint (its size and
+        CRC-32), in order: what checkpoints keep, so that a resume with the list
+        reordered or changed is refused, also where two datasets have equal counts."""
+        return [{"rec": str(part.directory), "classes": part.num_classes, "images": len(part),
+                 "index": dict(part.records.offsets.fingerprint)} for part in self.parts]
 
     def record_ids(self, positions: np.ndarray) -> np.ndarray:
         """The joined record ids of the images at `positions` (0 .. len(self) - 1): the

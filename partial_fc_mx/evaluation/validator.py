@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .. import durable
-from .verification import VerificationResult, VerificationSet, verify
+from .verification import NonFiniteEmbeddings, VerificationResult, VerificationSet, verify
 
 BEST_MODEL = "backbone-best"
 BEST_RECORD = f"{BEST_MODEL}.json"
@@ -33,14 +33,23 @@ class Validator:
         from it."""
         self.best_accuracy = -1.0
         self.best_step = 0
+        self.unscored: dict[str, str] = {}
+        """The sets of the last evaluation whose embeddings were not finite: why."""
         self.evaluated_step: int | None = None
         """The step whose model was last evaluated, kept on every rank (the trainer
         sets it) and in checkpoints: a run resumed at its end evaluates only if its
         last step was not (a save on a signal skips the evaluation)."""
 
     def evaluate(self, forward, step: int) -> dict[str, VerificationResult]:
-        """Every set's result for the model `forward` (images -> embeddings) at `step`."""
-        results = {pairs.name: verify(forward, pairs) for pairs in self.sets}
+        """Every set's result for the model `forward` (images -> embeddings) at `step`; a
+        set whose embeddings are not finite has none, and why is in `unscored`."""
+        results, self.unscored = {}, {}
+        for pairs in self.sets:
+            try:
+                results[pairs.name] = verify(forward, pairs)
+            except NonFiniteEmbeddings as error:
+                self.unscored[pairs.name] = str(error)
+                self.accuracy.pop(pairs.name, None)
         self.accuracy.update({name: result.accuracy for name, result in results.items()})
         if step == 0:
             self.before_training = dict(self.accuracy)
@@ -50,8 +59,10 @@ class Validator:
         """The mean accuracy just measured if it beats the best so far (the untrained
         network of step 0 never does); then `save_model(prefix)` writes the model and
         the record follows it, so the record never names a model not yet on disk."""
+        if step == 0 or self.unscored or not self.accuracy:
+            return None
         mean = sum(self.accuracy.values()) / len(self.accuracy)
-        if step == 0 or mean <= self.best_accuracy:
+        if mean <= self.best_accuracy:
             return None
         self.best_accuracy, self.best_step = mean, step
         save_model(self.work_dir / BEST_MODEL)

@@ -94,10 +94,27 @@ def parity(net, source: Source, mapping: Mapping, seed: int) -> float:
                                                           FACE_SIZE)).astype(np.float32)
     ours = net(normalized_pixels(pixels)).asnumpy()
     theirs = source.run(pixels, [])[""]
-    worst = float(cosines(ours, theirs).min())
+    if not np.isfinite(theirs).all():
+        raise BackboneImportError(not_finite(source, mapping, pixels))
+    with np.errstate(all="ignore"):  # ours not finite: first_difference names the layer
+        worst = float(cosines(ours, theirs).min())
     if not worst >= MIN_COSINE:
         raise BackboneImportError(first_difference(net, source, mapping, pixels, worst))
     return worst
+
+
+def not_finite(source: Source, mapping: Mapping, pixels: np.ndarray) -> str:
+    """The source's own outputs overflow float32 (inf, NaN): say where, not that the
+    networks differ; nothing can be compared."""
+    outputs = source.run(pixels, [tensor for _, tensor in mapping.checkpoints])
+    first = next(((name, tensor) for name, tensor in mapping.checkpoints
+                  if not np.isfinite(outputs[tensor]).all()), None)
+    where = (f" from its {first[1]!r} (our {first[0]}) on" if first else
+             " after its last weighted layer")
+    return (f"{source.path}: the source's own outputs are not finite (inf or NaN){where}, "
+            "for face-sized inputs: its weights or BatchNorm statistics overflow float32 "
+            "(an untrained model with random statistics does), so its embeddings cannot be "
+            "compared with ours and nothing was imported. Import a trained model")
 
 
 def normalized_pixels(pixels: np.ndarray) -> mx.nd.NDArray:
@@ -114,7 +131,8 @@ def first_difference(net, source: Source, mapping: Mapping, pixels: np.ndarray,
         net(normalized_pixels(pixels))
     theirs = source.run(pixels, [tensor for _, tensor in mapping.checkpoints])
     for name, tensor in mapping.checkpoints:
-        agreement = float(cosines(outputs[name], theirs[tensor]).min())
+        with np.errstate(all="ignore"):
+            agreement = float(cosines(outputs[name], theirs[tensor]).min())
         if not agreement >= MIN_COSINE:
             return (f"{source.path} imported as {type(net).__name__} computes other "
                     f"embeddings (worst cosine {worst:.6f} < {MIN_COSINE}); the first layer "

@@ -544,15 +544,19 @@ def resume(checkpoint: Path, net, trainer, pfc: PartialFC, validator: Validator,
 def refuse_other_datasets(checkpoint: Path, saved: list | None, now: list | None) -> None:
     """A resume must read the datasets of a `rec` list as the run it continues did: in
     another order, or with another one in the list, the same class ids would stand for
-    other people (the sum alone may agree)."""
-    def counts(listing: list | None) -> list | None:
-        return [(d["classes"], d["images"]) for d in listing] if listing else None
+    other people (the sum alone may agree). Datasets are told apart by their counts and
+    their train.idx fingerprints (checkpoints before those were kept: counts only), not
+    by their folders, which may move."""
+    def identities(listing: list | None, fingerprints: bool) -> list | None:
+        return [(d["classes"], d["images"], d.get("index") if fingerprints else None)
+                for d in listing] if listing else None
 
     def described(listing: list | None) -> str:
         return (" + ".join(f"{d['rec']} ({d['classes']} classes, {d['images']} images)"
                            for d in listing) if listing else "one dataset")
 
-    if counts(saved) != counts(now):
+    fingerprints = all("index" in d for d in [*(saved or []), *(now or [])])
+    if identities(saved, fingerprints) != identities(now, fingerprints):
         raise CheckpointError(
             f"{checkpoint} was trained on {described(saved)}; this run's rec is "
             f"{described(now)}: its class ids would stand for other people. Resume with "

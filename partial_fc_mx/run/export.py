@@ -76,6 +76,7 @@ def export_onnx(work_dir: str | os.PathLike) -> Path:
     training exports in the background must not write into the same file."""
     work_dir = Path(work_dir)
     symbol, params = backbone_files(work_dir)
+    finite_embeddings(work_dir, random_faces())  # nothing written for an overflowing one
     tmp = work_dir / f".backbone.onnx.{os.getpid()}.partial"
     try:
         mx.onnx.export_model(symbol, params,
@@ -126,16 +127,31 @@ def parity(work_dir: str | os.PathLike, batch: int = 4, seed: int = 0) -> float:
     the difference of the L2-normalized embeddings, which verification compares. An
     absolute difference would scale with the weights (an untrained r50's embeddings
     reach 1e6)."""
-    x = np.random.default_rng(seed).standard_normal((batch, 3, FACE_SIZE, FACE_SIZE),
-                                                         dtype=np.float32)
-    expected = mxnet_forward(load_backbone(work_dir), mx.cpu())(x)
-    if not np.isfinite(expected).all():
-        raise ExportError(f"{work_dir}: the MXNet backbone's own embeddings of random inputs "
-                          "are not finite (a network a few steps old, whose BatchNorm "
-                          "statistics lag its weights?), so there is no parity to measure")
+    x = random_faces(batch, seed)
+    expected = finite_embeddings(work_dir, x)
     got = onnx_forward(onnx_session(Path(work_dir) / "backbone.onnx"))(x)
     relative = np.abs(got - expected).max() / np.abs(expected).max()
     return float(max(relative, np.abs(normalized(got) - normalized(expected)).max()))
+
+
+def random_faces(batch: int = 4, seed: int = 0) -> np.ndarray:
+    """Network inputs (normalized pixels) of random values."""
+    return np.random.default_rng(seed).standard_normal((batch, 3, FACE_SIZE, FACE_SIZE),
+                                                       dtype=np.float32)
+
+
+def finite_embeddings(work_dir: str | os.PathLike, x: np.ndarray) -> np.ndarray:
+    """The MXNet backbone's embeddings of `x`; an ExportError when any is not finite: such
+    a model would be exported and scored silently (in eval mode, a network a few steps
+    old overflows float32 while its BatchNorm statistics are still near their start)."""
+    embeddings = mxnet_forward(load_backbone(work_dir), mx.cpu())(x)
+    if not np.isfinite(embeddings).all():
+        raise ExportError(f"{work_dir}: the backbone's own embeddings of random inputs are "
+                          "not finite (inf or NaN), so backbone.onnx was not written (the "
+                          "previous one, if any, is kept): a network a few steps old whose "
+                          "BatchNorm statistics lag its weights overflows in eval mode; "
+                          "export a later checkpoint")
+    return embeddings
 
 
 @dataclass

@@ -1,18 +1,30 @@
 """What ends a training process other than its last step: a stop request (SIGTERM
-from a scheduler, Ctrl-C) and the stall watchdog. Both are context managers, so a
-process that trains twice (a test, a notebook) gets its signal handlers back and
-leaves no watchdog armed."""
+from a scheduler, Ctrl-C, SIGUSR1 from a launcher) and the stall watchdog. Both are
+context managers, so a process that trains twice (a test, a notebook) gets its signal
+handlers back and leaves no watchdog armed."""
 
 from __future__ import annotations
 
 import faulthandler
+import os
 import signal
+
+STOPPED_STATUS = 143
+"""A rank's exit status after a stop on purpose that saved, whatever the signal (128 +
+SIGTERM, as a shell reports a process ended by it): not 0, so that `horovodrun ... &&
+next` does not take a stopped run for a finished one."""
+STOPPED_STATUS_VARIABLE = "PFC_STOPPED_STATUS"
+"""Set by run.sh and slurm.sbatch to 0: they report the stop themselves (one line, exit
+143), and a rank that exits non-zero would make mpirun end the ranks still closing
+(waiting the whole STOP_GRACE twice first) and srun print its error lines."""
 
 
 class StopRequest:
-    """SIGTERM or SIGINT asks for a checkpoint and a clean exit after the current step."""
+    """SIGTERM, SIGINT or SIGUSR1 asks for a checkpoint and a clean exit after the
+    current step. SIGUSR1 is what Open MPI's mpirun (and srun) forward to every rank
+    without ending the job; Slurm's `--signal=USR1@seconds` sends it before a time limit."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
     def __init__(self) -> None:
         self.signal: int | None = None
@@ -31,8 +43,9 @@ class StopRequest:
 
     @property
     def exit_code(self) -> int:
-        """128 + the signal, as a shell reports a process ended by it."""
-        return 128 + (self.signal or signal.SIGTERM)
+        """STOPPED_STATUS, or what the launcher asked for in PFC_STOPPED_STATUS."""
+        asked = os.environ.get(STOPPED_STATUS_VARIABLE, "")
+        return int(asked) if asked.isdigit() and int(asked) < 256 else STOPPED_STATUS
 
 
 class Watchdog:

@@ -58,8 +58,13 @@ def refusal_line(record: dict) -> str:
     return record["reason"]
 
 
+def stop_line(record: dict) -> str:
+    return (f"stopped by a signal at step {record['step']}; resume with --resume-from "
+            f"{record['work_dir']}")
+
+
 HUMAN_LINES = {"step": step_line, "evaluation": evaluation_line, "baseline": baseline_line,
-               "restart": restart_line, "restart refused": refusal_line}
+               "restart": restart_line, "restart refused": refusal_line, "stop": stop_line}
 
 
 def human_line(record: dict) -> str:
@@ -91,17 +96,25 @@ def read_records(path: Path) -> list:
 def read_metrics(work_dir: str | Path) -> dict:
     """{"step", "loss", "learning_rate", "speed", "images": [...] in step order,
     "verification": {set name: [Evaluation]}, "baseline": {set name: eigenfaces accuracy},
-    "restarts": [the restart records, all of them], "unreadable_lines": how many lines
-    were not whole records} of the latest run in work_dir/metrics.jsonl, with the steps
-    before its start from the runs it resumed."""
-    steps, evaluations, baselines, restarts, unreadable = {}, {}, {}, [], 0
+    "restarts": [restart records], "stops": [stop records], "unreadable_lines": how many
+    lines were not whole records} of the latest run in work_dir/metrics.jsonl, with the
+    steps before its start from the runs it resumed. A start at step 0 begins a new run,
+    unless it is a relaunch of the same job (restarts.sh, before any checkpoint): the
+    restarts and stops of earlier runs are not this one's."""
+    steps, evaluations, baselines, restarts, stops, unreadable = {}, {}, {}, [], [], 0
     for record in read_records(Path(work_dir) / METRICS):
         if record is None:
             unreadable += 1
         elif record["kind"] == "restart":
             restarts.append(record)
+        elif record["kind"] == "stop":
+            stops.append(record)
         elif record["kind"] == "start":
             start = record["step"]
+            if start == 0:
+                job = record.get("job")
+                restarts = [r for r in restarts if job is not None and r.get("job") == job]
+                stops = []
             steps = {step: r for step, r in steps.items() if step <= start}
             evaluations = {name: {step: e for step, e in points.items() if step <= start}
                            for name, points in evaluations.items()}
@@ -121,6 +134,7 @@ def read_metrics(work_dir: str | Path) -> dict:
                               for name, points in evaluations.items()}
     series["baseline"] = baselines
     series["restarts"] = restarts
+    series["stops"] = stops
     series["unreadable_lines"] = unreadable
     return series
 

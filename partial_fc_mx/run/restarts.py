@@ -5,10 +5,12 @@ run.sh and setup-utils/slurm.sbatch relaunch a failed job (MAX_RESTARTS, in
 setup-utils/restarts.sh) on the hosts that still answer. Between two launches they run
 `python -m partial_fc_mx restart`, which reads what the job left behind (the
 heartbeats' verdict, the launcher's output, the ranks' last steps, the checkpoints),
-writes the restart into training.log and metrics.jsonl, and answers with the work dir
-to resume from, or refuses: a second failure for the same reason after the same step
-(or with no checkpoint saved since) is the job itself (a bad record, a bug), not a
-lost host, and relaunching it would loop.
+writes the restart into training.log and metrics.jsonl, and answers with the arguments
+to relaunch with, or refuses: a second failure of the same job for the same reason after
+the same step (or with no checkpoint saved since) is the job itself (a bad record, a
+bug), not a lost host, and relaunching it would loop. A job is one supervisor's run
+(its PFC_JOB id): an earlier job's records in the same work dir are not its own. A job
+stopped on purpose is not relaunched either, but the supervisor sees that itself.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ class Failure:
             record.get("step") == self.step or record.get("checkpoint") == checkpoint_step)
 
 
+JOB_VARIABLE = "PFC_JOB"
+"""The supervisor's id of a job, exported to every launch (setup-utils/restarts.sh)."""
 LOST_HOST = re.compile(r"(?:ORTE|PRTE) has lost communication with a remote daemon.*?"
                        r"Remote daemon:.*? on node (\S+)", re.DOTALL)
 SIGNALLED = re.compile(r"process rank (\d+) with PID \d+ on node (\S+) exited on signal "
@@ -55,8 +59,6 @@ INSPECTOR = re.compile(r"Missing ranks:\s*\n\s*(\d+): \[([^\]\n]*)")
 """Horovod's stall inspector (rank 0, after HOROVOD_STALL_CHECK_TIME_SECONDS): the first
 rank that had not submitted a collective the others wait in, and the collectives' names.
 It fires when that rank is alive but late; a frozen rank blocks it (heartbeat.py)."""
-STOPPED = re.compile(r"stopped by a signal at step (\d+)")
-"""train.py's line after the checkpoint a SIGTERM or Ctrl-C asked for."""
 
 
 def failure_of(work_dir: Path, status: int, output: str) -> Failure:
@@ -107,39 +109,39 @@ def last_common_step(work_dir: Path) -> int | None:
     return max(known) if known else None
 
 
-def previous_restart(work_dir: Path) -> dict | None:
-    """The last restart record of the work dir's metrics.jsonl."""
+def previous_restart(work_dir: Path, job: str) -> dict | None:
+    """The last restart record of this job (its supervisor's id) in the work dir's
+    metrics.jsonl."""
     path = Path(work_dir) / METRICS
     records = read_records(path) if path.is_file() else []
-    restarts = [r for r in records if r is not None and r.get("kind") == "restart"]
+    restarts = [r for r in records
+                if r is not None and r.get("kind") == "restart" and r.get("job") == job]
     return restarts[-1] if restarts else None
 
 
 def restart(work_dir: Path, status: int, output: str, hosts: list[str], processes: int,
-            dropped: list[str], attempt: int) -> tuple[str | None, str | None]:
-    """(what to resume from: the work dir when it holds a checkpoint, else None; why not
-    to relaunch, or None), the decision written to training.log and metrics.jsonl. A
-    job stopped on purpose (it saved and said so) is not relaunched, whatever the
-    launcher's exit status."""
+            dropped: list[str], attempt: int, job: str, first_batch: int
+            ) -> tuple[list[str], str | None]:
+    """(the arguments to relaunch with, why not to relaunch or None), the decision written
+    to training.log and metrics.jsonl. The relaunch resumes from the work dir when it
+    holds a checkpoint; before the first one it starts again with the first launch's
+    global batch (`first_batch`), which the schedule's step counts are steps of."""
     failure = failure_of(work_dir, status, output)
     heartbeat.clear(work_dir)  # read: the next launch starts with none
-    previous = previous_restart(work_dir)
+    previous = previous_restart(work_dir, job)
     saved = checkpoint.checkpoints(work_dir)
     latest = checkpoint.step_of(saved[-1]) if saved else None
-    refusal = None
-    if stopped := STOPPED.search(output):
-        refusal = (f"not restarting: the job was stopped on purpose (a signal) and saved "
-                   f"at step {stopped.group(1)}")
-    elif previous is not None and failure.same_as(previous, latest):
+    if previous is not None and failure.same_as(previous, latest):
         refusal = (f"not restarting: the job failed again after step {failure.step} for "
                    f"the same reason ({failure.reason}); fix the cause, then resume with "
                    f"--resume-from {work_dir}")
-    if refusal:
         append_record(work_dir, {"kind": "restart refused", "step": failure.step,
-                                 "reason": refusal})
-        return None, refusal
+                                 "reason": refusal, "job": job})
+        return [], refusal
     append_record(work_dir, {
         "kind": "restart", "attempt": attempt, "step": failure.step, "failure": failure.kind,
         "who": failure.who, "reason": failure.reason, "hosts": hosts, "processes": processes,
-        "dropped": dropped, "checkpoint": latest})
-    return (str(work_dir) if saved else None), None
+        "dropped": dropped, "checkpoint": latest, "job": job})
+    if saved:
+        return ["--resume-from", str(work_dir)], None
+    return [f"reference_batch={first_batch}"], None

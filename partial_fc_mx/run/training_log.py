@@ -27,7 +27,9 @@ from .metrics import (
 
 class TrainingLog:
     def __init__(self, work_dir: Path, enabled: bool, total_steps: int, global_batch: int,
-                 frequent: int, first_step: int = 0) -> None:
+                 frequent: int, first_step: int = 0, job: str | None = None) -> None:
+        """`job`: the restart supervisor's id of the job this launch belongs to (None:
+        launched by hand), kept in the start record: metrics.py tells runs apart by it."""
         self.enabled, self.total_steps = enabled, total_steps
         self.global_batch, self.frequent = global_batch, frequent
         self.logger = logging.getLogger("partial_fc_mx.train")
@@ -51,7 +53,7 @@ class TrainingLog:
         self.writer = SummaryWriter(str(work_dir / "tensorboard"))
         if sys.stderr.isatty():
             self.bar = tqdm(total=total_steps, initial=first_step, unit="step")
-        self.record({"kind": "start", "step": first_step}, {})
+        self.record({"kind": "start", "step": first_step, "job": job}, {})
         if logged_to > first_step:
             self.info(f"resumed at step {first_step}: the lines above for steps "
                       f"{first_step + 1}..{logged_to} are the stopped run's; those steps are "
@@ -61,9 +63,10 @@ class TrainingLog:
         if self.enabled:
             self.logger.info(message)
 
-    def step(self, step: int, epoch: int, loss: float, lr: float, loss_scale: float,
+    def step(self, step: int, epoch: int, loss: float, lr: float, loss_scale: float | None,
              images: int) -> None:
-        """Called after every step (`step` = steps done); writes every `frequent` steps."""
+        """Called after every step (`step` = steps done); writes every `frequent` steps.
+        `loss_scale`: None when the run scales no loss (float32), so none is written."""
         self._losses.append(loss)
         if self.bar is not None:
             self.bar.update(1)
@@ -74,8 +77,10 @@ class TrainingLog:
         speed = done * self.global_batch / max(elapsed, 1e-9)
         required = (self.total_steps - step) * elapsed / max(done, 1) / 3600
         values = {"loss": sum(self._losses) / len(self._losses), "learning_rate": lr,
-                  "speed": speed, "loss_scale": loss_scale,
+                  "speed": speed,
                   "data_wait_percent": 100 * self.data_wait.seconds / max(elapsed, 1e-9)}
+        if loss_scale is not None:
+            values["loss_scale"] = loss_scale
         self.record({"kind": "step", "step": step, "epoch": epoch, "images": images,
                      "required_hours": required, **values}, values)
         self._losses, self._tic, self._tic_step = [], time.time(), step
@@ -98,6 +103,11 @@ class TrainingLog:
         not evaluated at step 0) and the eigenfaces (PCA) baseline's."""
         self.record({"kind": "baseline", "name": name, "accuracy": accuracy,
                      "before_training": before_training, "eigenfaces": eigenfaces}, {})
+
+    def stopped(self, step: int, work_dir: Path) -> None:
+        """A stop on purpose, saved at `step`: a record plot marks, and the line the
+        restart supervisor reads (restarts.sh)."""
+        self.record({"kind": "stop", "step": step, "work_dir": str(work_dir)}, {})
 
     def record(self, record: dict, scalars: dict) -> None:
         """One record: a metrics.jsonl line, its training.log line and TensorBoard scalars.

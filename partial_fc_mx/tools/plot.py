@@ -2,7 +2,7 @@
 
 Writes loss.png, learning_rate.png, speed.png and verification.png, from the records
 the trainer writes (no TensorBoard needed); several work dirs share each figure; a
-dashed line marks each automatic restart.
+dashed line marks each automatic restart, a dotted one each stop on purpose.
 """
 
 from __future__ import annotations
@@ -53,12 +53,15 @@ def plot_work_dirs(work_dirs: list[str], out: str | None = None) -> list[Path]:
 
 def mark_restarts(axes, runs: dict) -> None:
     """A dashed line at the step after which each restart's job had failed (restarts.py):
-    the curve goes on from the checkpoint before it."""
-    steps = [r["step"] for series in runs.values() for r in series["restarts"]
-             if r["step"] is not None]
-    for i, step in enumerate(steps):
-        axes.axvline(step, color="tab:red", linestyle="--", linewidth=1,
-                     label="restart" if i == 0 else None)
+    the curve goes on from the checkpoint before it; a dotted one where the run was
+    stopped on purpose (it saved there, and a resume goes on from there)."""
+    for key, name, style, color in (("restarts", "restart", "--", "tab:red"),
+                                    ("stops", "stopped", ":", "tab:gray")):
+        steps = [r["step"] for series in runs.values() for r in series[key]
+                 if r["step"] is not None]
+        for i, step in enumerate(steps):
+            axes.axvline(step, color=color, linestyle=style, linewidth=1,
+                         label=name if i == 0 else None)
 
 
 def label(work_dir: str, runs: int) -> str:
