@@ -134,12 +134,16 @@ def test_pack_command_prints_the_next_step(tmp_path):
     assert RecordDataset(tmp_path / "rec").num_classes == classes
     assert 'val_targets = ["heldout"]' in done.stdout and "pairs of 3 people" in done.stdout
     assert (tmp_path / "rec" / "heldout.bin").is_file()
+    names = (tmp_path / "rec" / "heldout_people.txt").read_text().split()
+    assert len(names) == 3 and all((source / name).is_dir() for name in names)
+    assert "all of them in rec/heldout_people.txt" in done.stdout
     listed = run(python_module("pack", "x.lst", "rec2", "--heldout", "2"), cwd=tmp_path)
     assert listed.returncode == 2 and "--heldout are for a folder" in listed.stdout
     # a pack without held-out people removes an earlier one's heldout.bin
     again = run(python_module("pack", str(source), "rec", "--resize"), cwd=tmp_path)
     assert again.returncode == 0 and "removed rec/heldout.bin" in again.stdout
     assert not (tmp_path / "rec" / "heldout.bin").exists()
+    assert not (tmp_path / "rec" / "heldout_people.txt").exists()
     for wrong, says in ((["--heldout", "-1"], "-1 is less than 0"),
                         (["--pairs", "4"], "4 is less than 5"),
                         (["--heldout", "2", "--heldout-people", "p01,p02"], "not allowed with")):

@@ -20,6 +20,7 @@ from conftest import (
     damage_header,
     finish,
     kill_group,
+    output_of,
     rank_pids,
     run,
     slurm_job,
@@ -28,7 +29,7 @@ from conftest import (
 )
 
 from partial_fc_mx import dist
-from partial_fc_mx.run import heartbeat, restarts
+from partial_fc_mx.run import checkpoint, heartbeat, restarts
 from partial_fc_mx.run.heartbeat import Heartbeat, write_json
 from partial_fc_mx.run.metrics import read_metrics
 
@@ -301,8 +302,9 @@ def test_the_slurm_script_relaunches_on_the_nodes_that_answer(tmp_path, syntheti
         f"{launch} -N 2 -n 16 -w nodea,nodeb {config_sh} PFC_COMMAND=",
         "srun --overlap -N 1 -n 1 -w nodea true PFC_COMMAND=",
         "srun --overlap -N 1 -n 1 -w nodeb true PFC_COMMAND=",
-        f"{launch} -N 1 -n 8 -w nodea {config_sh} PFC_COMMAND=check",
-        f"{launch} -N 1 -n 8 -w nodea {config_sh} PFC_COMMAND="]
+        # no checkpoint yet: started again with the first launch's global batch, 16 x 24
+        f"{launch} -N 1 -n 8 -w nodea {config_sh} reference_batch=384 PFC_COMMAND=check",
+        f"{launch} -N 1 -n 8 -w nodea {config_sh} reference_batch=384 PFC_COMMAND="]
     assert "host nodeb did not answer within 30 s: dropped" in done.stdout
     assert "restart 1: task 9 on nodeb was killed; relaunching 8 processes on nodea, " \
         "without nodeb, from the start: no checkpoint yet" in (work / "training.log").read_text()
@@ -348,3 +350,33 @@ def test_a_max_restarts_that_is_no_number_is_refused_before_anything_runs():
                env={**os.environ, "MAX_RESTARTS": "yes"})
     assert said.returncode == 2 and "sourced" not in said.stdout
     assert "MAX_RESTARTS=yes must be a whole number" in said.stdout
+
+
+def test_a_killed_rank_of_a_configs_network_is_relaunched_from_its_checkpoint(tmp_path):
+    """configs/ms1mv3_r50.py at a reduced size (an IResNet-50, bfloat16 where the CPU
+    computes it): a rank killed after the first checkpoint; the job is relaunched from
+    it and finishes the run."""
+    config = REPO / "configs" / "ms1mv3_r50.py"
+    work = tmp_path / "work"
+    job = start(["bash", str(REPO / "run.sh"), "--work-dir", str(work), "rec=random",
+                 "num_classes=64", "num_image=512", "batch_size=2", "max_steps=6",
+                 "save_every=2", "val_targets=[]", "frequent=1"],
+                env={**RESTARTING, "CONFIG": str(config)})
+    try:
+        deadline = time.time() + 300
+        while not (work / "checkpoints" / "step_000002" / "meta.json").is_file():
+            assert job.poll() is None and time.time() < deadline, output_of(job)[-3000:]
+            time.sleep(0.5)
+        os.kill(rank_pids(f"partial_fc_mx train {config}")[-1], signal.SIGKILL)
+        result = finish(job, timeout=400)
+    finally:
+        kill_group(job)
+    assert result.returncode == 0, result.stdout[-3000:]
+    text = (work / "training.log").read_text()
+    assert re.search(r"restart 1: rank 1 on \S+ was ended by signal 9 \(Killed\) after step "
+                     r"\d+; relaunching 2 processes on localhost, from checkpoint step [24]",
+                     text), text[-3000:]
+    assert "restart 2" not in text
+    saved = checkpoint.checkpoints(work)
+    assert checkpoint.step_of(saved[-1]) == 6 and checkpoint.verify(saved[-1]) == []
+    assert read_metrics(work)["step"][-1] == 6

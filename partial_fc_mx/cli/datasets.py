@@ -49,15 +49,24 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     synthetic = commands.add_parser("pack-synthetic", help="synthetic identities + a held-out "
                                                            "verification set")
     synthetic.set_defaults(func=pack_synthetic_command)
-    synthetic.add_argument("out")
-    synthetic.add_argument("--classes", type=int, default=10000)
-    synthetic.add_argument("--per-class", type=int, default=4)
-    synthetic.add_argument("--heldout", type=int, default=100)
-    synthetic.add_argument("--pairs", type=int, default=300)
-    synthetic.add_argument("--seed", type=int, default=0)
+    synthetic.add_argument("out", help="the folder to write train.rec/idx/property and "
+                                        "synthetic_heldout.bin into")
+    synthetic.add_argument("--classes", type=at_least(1), default=10000,
+                           help="identities to train on (default: %(default)s)")
+    synthetic.add_argument("--per-class", type=at_least(1), default=4,
+                           help="pictures of each (default: %(default)s)")
+    synthetic.add_argument("--heldout", type=at_least(1), default=100,
+                           help="other identities, for the verification set only "
+                                "(default: %(default)s)")
+    synthetic.add_argument("--pairs", type=at_least(1), default=300,
+                           help="genuine pairs of them (as many impostor pairs; default: "
+                                "%(default)s)")
+    synthetic.add_argument("--seed", type=int, default=0,
+                           help="which pictures are drawn (default: %(default)s)")
     synthetic.add_argument("--shared", type=fraction, default=0.0,
                            help="fraction of every identity's prototype common to all "
-                           "(0: unrelated pictures; higher: harder to tell apart)")
+                           "(0: unrelated pictures; higher: harder to tell apart; default: "
+                           "%(default)s)")
     inspect = commands.add_parser("inspect", help="counts, header consistency, corrupt records")
     inspect.set_defaults(func=inspect_command)
     inspect.add_argument("directories", nargs="+", metavar="directory",
@@ -67,7 +76,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
 
 
 def pack_command(args: argparse.Namespace) -> int:
-    from ..prep.heldout import HELDOUT_BIN, pack_folder_holding_out
+    from ..prep.heldout import HELDOUT_BIN, HELDOUT_PEOPLE, pack_folder_holding_out
     from ..prep.pack import pack_folder, pack_list
 
     named = [name.strip() for name in (args.heldout_people or "").split(",") if name.strip()]
@@ -84,9 +93,10 @@ def pack_command(args: argparse.Namespace) -> int:
         packed = held.train
     else:
         packed = pack_folder(args.src, args.out, args.crop, args.resize, args.landmarks)
-    bin_path = Path(args.out) / HELDOUT_BIN
+    bin_path, names_path = Path(args.out) / HELDOUT_BIN, Path(args.out) / HELDOUT_PEOPLE
     if held is None and bin_path.exists():  # its people may be among those just packed
         bin_path.unlink()
+        names_path.unlink(missing_ok=True)
         print(f"removed {bin_path}: an earlier pack's held-out people, who may now be "
               "trained on")
     aligned = f" ({packed.aligned} aligned from landmarks)" if packed.aligned else ""
@@ -99,7 +109,8 @@ def pack_command(args: argparse.Namespace) -> int:
     if held:
         print(f"{bin_path}: {held.pairs} pairs of {len(held.people)} "
               f"people held out of training ({', '.join(held.people[:5])}"
-              f"{', ...' if len(held.people) > 5 else ''}); verify on them during training "
+              f"{', ...' if len(held.people) > 5 else ''}: all of them in {names_path}); "
+              "verify on them during training "
               f"with val_targets = [\"{Path(HELDOUT_BIN).stem}\"] (read from <rec>/{HELDOUT_BIN})")
     return 0
 

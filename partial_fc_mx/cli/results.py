@@ -82,6 +82,7 @@ def plot_command(args: argparse.Namespace) -> int:
 
 def import_command(args: argparse.Namespace) -> int:
     from ..backbones import unknown_network
+    from ..imports.calibration import agreement_reading
     from ..imports.importer import MIN_COSINE, import_backbone
     from ..imports.layers import BackboneImportError
 
@@ -95,7 +96,7 @@ def import_command(args: argparse.Namespace) -> int:
         print(f"{len(report.folded)} BatchNorms the export had folded into the layer before "
               f"them got statistics from {report.calibrated_on}: in training mode the embeddings "
               f"of those faces agree with inference to a worst cosine of "
-              f"{report.training_cosine:.4f}")
+              f"{report.training_cosine:.4f}, {agreement_reading(report.training_cosine)}")
     print(f"wrote {report.checkpoint} and {args.work_dir}/backbone-*: fine-tune with "
           f"`train CONFIG network={report.network} --load-from {args.work_dir}`; `eval` "
           "and `export` take the work dir")

@@ -28,6 +28,8 @@ from .pack import (
 from .pairs import sample_pairs
 
 HELDOUT_BIN = "heldout.bin"
+HELDOUT_PEOPLE = "heldout_people.txt"
+"""The held-out people's names, one per line, beside heldout.bin."""
 """The verification set `pack --heldout` writes beside train.rec: `val_targets = ["heldout"]`."""
 
 
@@ -99,7 +101,7 @@ def pack_folder_holding_out(src: str | os.PathLike, out_dir: str | os.PathLike, 
                             seed: int = 0, crop: bool = False, resize: bool = False,
                             landmarks: str | os.PathLike | None = None) -> HeldoutReport:
     """`pack_folder` of every person but the held-out ones, whose genuine and impostor
-    pairs go into OUT/heldout.bin. Their pictures are prepared the same way (aligned,
+    pairs go into OUT/heldout.bin and whose names into OUT/heldout_people.txt. Their pictures are prepared the same way (aligned,
     cropped or resized) and checked before anything is written."""
     root = Path(src)
     check_identity_folders(root)
@@ -118,4 +120,6 @@ def pack_folder_holding_out(src: str | os.PathLike, out_dir: str | os.PathLike, 
     pairable(groups, pairs, bin_path)  # before the training data is written
     train = pack_folder(root, out_dir, crop, resize, landmarks,
                         people=[p for p in people if p not in held], report=report)
-    return HeldoutReport(train, held, write_pairs_bin(bin_path, groups, pairs, seed))
+    written = write_pairs_bin(bin_path, groups, pairs, seed)
+    (Path(out_dir) / HELDOUT_PEOPLE).write_text("".join(f"{person}\n" for person in held))
+    return HeldoutReport(train, held, written)
