@@ -101,8 +101,9 @@ def pack_folder_holding_out(src: str | os.PathLike, out_dir: str | os.PathLike, 
                             seed: int = 0, crop: bool = False, resize: bool = False,
                             landmarks: str | os.PathLike | None = None) -> HeldoutReport:
     """`pack_folder` of every person but the held-out ones, whose genuine and impostor
-    pairs go into OUT/heldout.bin and whose names into OUT/heldout_people.txt. Their pictures are prepared the same way (aligned,
-    cropped or resized) and checked before anything is written."""
+    pairs go into OUT/heldout.bin and whose names into OUT/heldout_people.txt. Their
+    pictures are prepared the same way (aligned, cropped or resized) and checked before
+    anything is written."""
     root = Path(src)
     check_identity_folders(root)
     people = person_folders(root)
