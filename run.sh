@@ -12,7 +12,8 @@
 # STOP_GRACE (default 30: seconds Open MPI gives the ranks to save when mpirun itself is
 # signalled; setup-utils/restarts.sh, docs/launching.md).
 # Stop it with Ctrl-C or `kill <this shell's pid>`: every rank saves after its current
-# step, and it exits with status 143 (and is not relaunched).
+# step, and it exits with status 143 (and is not relaunched); a third Ctrl-C ends it
+# without waiting for the save.
 # Relative paths (CONFIG, HOSTFILE, rec, --work-dir) are taken from the folder it is
 # launched in, on every host.
 set -euo pipefail
@@ -41,10 +42,18 @@ export OMPI_MCA_oob_tcp_keepalive_intvl=${OMPI_MCA_oob_tcp_keepalive_intvl:-10}
 export OMPI_MCA_oob_tcp_keepalive_probes=${OMPI_MCA_oob_tcp_keepalive_probes:-3}
 as_root=()
 [ "$(id -u)" -eq 0 ] && as_root=(--allow-run-as-root)
-# A host's cores: the slots mpirun gives a hostfile line without slots= (or max_slots=).
+# on_host HOST COMMAND...: COMMAND on HOST within PROBE_TIMEOUT seconds (its stdin not
+# the caller's: a `while read` loop's lines stay there). user@host: as the user mpirun is.
+on_host() {
+  timeout -k 5 "$PROBE_TIMEOUT" mpirun "${as_root[@]}" -np 1 -H "${1#*@}:1" "${@:2}" </dev/null
+}
+# A host's cores: the slots mpirun gives a hostfile line without slots= (or max_slots=);
+# mpirun counts those of its cpuset, lscpu all of them: in a container limited to fewer,
+# write slots=N.
 host_cores() {
-  timeout -k 5 "$PROBE_TIMEOUT" mpirun "${as_root[@]}" -np 1 -H "$1:1" lscpu -p=core,socket \
-    | grep -v '^#' | sort -u | wc -l
+  local count
+  count=$(on_host "$1" lscpu -p=core,socket | grep -v '^#' | sort -u | wc -l)
+  [ "$count" -gt 0 ] && echo "$count"
 }
 # The hosts and their slots as mpirun reads the hostfile (run/hostfile.py), which the
 # restart supervisor narrows to those that still answer (setup-utils/restarts.sh).
@@ -98,9 +107,7 @@ launch_training() {
     -map-by slot -wdir "$PWD" "${placement[@]}" "${as_root[@]}" "${forwarded[@]}" \
     -x PFC_COMMAND "${stops[@]}" bash "$root/config.sh" "$@"
 }
-probe_host() {
-  timeout -k 5 "$PROBE_TIMEOUT" mpirun "${as_root[@]}" -np 1 -H "$1:1" true
-}
+probe_host() { on_host "$1" true; }
 
 echo "== preflight: $CONFIG on $NP processes"
 status=0  # a pipeline: bash waits for tee, so the grep below sees every line

@@ -87,7 +87,7 @@ class Run:
 
 
 def train(config: Config, resume_from: str | None = None, load_from: str | None = None) -> int:
-    """Train to the end of the run (0), or until a signal asks to stop (128 + signal):
+    """Train to the end of the run (0), or until a signal asks to stop (StopRequest's status):
     batch -> train_step -> after_step, step after step."""
     with StopRequest() as stop, Watchdog(config.stall_timeout) as watchdog:
         run = start(config, resume_from, load_from)  # watched too: a stuck file system

@@ -42,6 +42,7 @@ AS_MPIRUN_READS = [
     ("/* two\n lines */ localhost count=4", 4),
     ("# a comment\n\nlocalhost", None),
     ("localhost\nlocalhost\nlocalhost", 3),          # one slot per line
+    ("localhost slots=2\nlocalhost", 3),             # ... added to the first line's count
 ]
 
 
@@ -60,6 +61,7 @@ def test_a_hostfile_is_read_as_mpirun_reads_it(tmp_path, text, slots):
                                                "slot counts; mpirun refuses that"),
     ("localhost\nlocalhost slots=3\n", "line 2: localhost is on several lines with slot"),
     ("localhost slots=5 max_slots=3\n", "line 1: max_slots=3 is below the 5 slots"),
+    ("localhost slots=2 slots=3\n", "line 1: localhost's slots are given twice on one line"),
     ("localhost slots=two\n", "line 1: slots=two is not a whole number"),
     ("localhost gpus=2\n", "line 1: gpus= is not a key of Open MPI hostfiles"),
     ("slots=2\n", "line 1: 'slots=2' does not start with a host name"),

@@ -311,38 +311,65 @@ def test_the_slurm_script_relaunches_on_the_nodes_that_answer(tmp_path, syntheti
     assert not list(temporary.glob("tmp.*")), list(temporary.iterdir())
 
 
-@pytest.mark.parametrize("ending", ["signalled in the backoff", "restart refused"])
+@pytest.mark.parametrize("ending", ["signalled in the backoff", "signalled in the preflight",
+                                    "restart refused"])
 def test_the_supervisor_returns_the_jobs_status_and_leaves_nothing(tmp_path, ending):
     """restarts.sh alone, with stub commands: a job that fails (status 3), then either
     scancel or Ctrl-C reaching the whole process group while the supervisor waits to
-    relaunch, or `restart` refusing. Either way it stops with the job's status (not the
-    signalled sleep's 143), relaunches nothing and leaves no copy of the job's output."""
+    relaunch, a SIGTERM to its shell during the relaunch's preflight, or `restart`
+    refusing. Each time it stops with the job's status (not the signalled sleep's 143),
+    relaunches nothing and leaves no copy of the job's output."""
     temporary, launches, asked = tmp_path / "tmp", tmp_path / "launches", tmp_path / "asked"
     temporary.mkdir()
     restart = tmp_path / "python"
     restart.write_text(f"#!/bin/sh\ntouch {asked}\nexit {int(ending == 'restart refused')}\n")
     restart.chmod(0o755)
+    backoff = "0" if ending == "signalled in the preflight" else "60"
     script = f"""set -euo pipefail
 source {REPO / 'setup-utils' / 'restarts.sh'}
-launch_training() {{ echo "launch ${{PFC_COMMAND:-}}" >> {launches}; return 3; }}
+launch_training() {{
+  echo "launch ${{PFC_COMMAND:-}}" >> {launches}
+  if [ "${{PFC_COMMAND:-}}" = check ]; then sleep 3; return 0; fi
+  return 3
+}}
 probe_host() {{ true; }}
 python={restart}; HOSTS=(localhost); SLOTS=(2); NP=2; CONFIG=configs/orl.py
 train_with_restarts"""
-    job = start(["bash", "-c", script], env={"MAX_RESTARTS": "1", "RESTART_BACKOFF": "60",
+    job = start(["bash", "-c", script], env={"MAX_RESTARTS": "1", "RESTART_BACKOFF": backoff,
                                              "TMPDIR": str(temporary)})
     try:
+        deadline = time.time() + 30
         if ending == "signalled in the backoff":
-            deadline = time.time() + 30
             while not subprocess.run(["pgrep", "-s", str(job.pid), "-x", "sleep"],
                                      capture_output=True).stdout and time.time() < deadline:
                 time.sleep(0.1)
             os.killpg(job.pid, signal.SIGTERM)
+        elif ending == "signalled in the preflight":
+            while "check" not in (launches.read_text() if launches.is_file() else ""):
+                assert time.time() < deadline
+                time.sleep(0.1)
+            os.kill(job.pid, signal.SIGTERM)  # the shell alone: the preflight goes on
         result = finish(job, timeout=30)
     finally:
         kill_group(job)
     assert result.returncode == 3, result.stdout
-    assert asked.is_file() and launches.read_text() == "launch \n", result.stdout
+    expected = "launch \nlaunch check\n" if ending == "signalled in the preflight" else "launch \n"
+    assert asked.is_file() and launches.read_text() == expected, result.stdout
     assert not list(temporary.glob("tmp.*")), list(temporary.iterdir())
+
+
+def test_a_stop_is_a_stop_when_its_line_cannot_be_written(tmp_path):
+    """A terminal that went away (a hang-up) makes every line to it fail: under set -e
+    the supervisor must still exit 143 for a stopped job, not the ranks' 0 (which would
+    read as a finished run) nor end before it has handed the stop on."""
+    script = f"""set -euo pipefail
+source {REPO / 'setup-utils' / 'restarts.sh'}
+launch_training() {{ echo "12:00 stopped by a signal at step 5; resume with ..."; }}
+probe_host() {{ true; }}
+python=false; HOSTS=(localhost); SLOTS=(2); NP=2; CONFIG=configs/orl.py
+train_with_restarts 2>&-"""
+    done = run(["bash", "-c", script], env={"MAX_RESTARTS": "2", "TMPDIR": str(tmp_path)})
+    assert done.returncode == 143, done.stdout
 
 
 def test_a_max_restarts_that_is_no_number_is_refused_before_anything_runs():

@@ -86,7 +86,14 @@ def ctrl_c(job) -> None:
     os.killpg(job.pid, signal.SIGINT)
 
 
-@pytest.mark.parametrize("how", [sigterm_to_mpirun, ctrl_c])
+def hang_up(job) -> None:
+    """The terminal closed (or an SSH session ended): SIGHUP to the whole group, which
+    ends every process there that does not catch it (the shell that runs the launcher
+    did, before it ignored it, and the stop never reached mpirun)."""
+    os.killpg(job.pid, signal.SIGHUP)
+
+
+@pytest.mark.parametrize("how", [sigterm_to_mpirun, ctrl_c, hang_up])
 def test_a_stop_through_run_sh_saves_on_every_rank_and_is_not_relaunched(tmp_path, how):
     work = tmp_path / "work"
     job = start(["bash", str(REPO / "run.sh"), "--work-dir", str(work), *REDUCED],

@@ -6,8 +6,8 @@ line, and `/* ... */` one that may span lines and ends the line it starts in; a 
 host (`user@host` too) followed by `key=value` words (spaces around `=` allowed):
 `slots` (or `cpu`, `count`) gives its slots, `max_slots` (or `slots_max`, `max-slots`,
 ...) caps them and stands for them when `slots` is missing; a host with neither gets as
-many slots as it has cores (found when mpirun starts), or, named on several lines without
-counts, one slot per line (lines with counts for one host mpirun refuses). The last line
+many slots as it has cores (found when mpirun starts); each further line naming the host
+without counts adds one slot (a further line with counts mpirun refuses). The last line
 needs no newline (a comment on it does, for mpirun 4.1: run.sh passes mpirun its own
 copy). A line mpirun would refuse is refused here, by file and line, before any process
 starts."""
@@ -95,7 +95,10 @@ def add_line(hosts: dict[str, Host], line: str, where: str) -> None:
         key, value = found.group(1).lower(), found.group(2)
         position = found.end()
         if key in SLOTS_KEYS:
-            slots = (slots or 0) + number(value, key, where)
+            if slots is not None:
+                raise HostfileError(f"{where}: {name}'s slots are given twice on one line; "
+                                    "mpirun refuses that")
+            slots = number(value, key, where)
             if max_slots is not None and max_slots < slots:
                 max_slots = slots  # as mpirun does
         elif key in MAX_SLOTS_KEYS:
@@ -112,12 +115,12 @@ def add_line(hosts: dict[str, Host], line: str, where: str) -> None:
     if host is None:
         hosts[name] = Host(name, slots if slots is not None else max_slots, max_slots, [line])
         return
-    if slots is not None or max_slots is not None or host.max_slots is not None or (
-            len(host.lines) == 1 and host.slots is not None):
+    if slots is not None or max_slots is not None:
         raise HostfileError(f"{where}: {name} is on several lines with slot counts; mpirun "
                             "refuses that: give it one line with slots=N, or one line per "
                             "slot without counts")
-    host.slots = len(host.lines) + 1  # one line per slot
+    # a line without counts adds a slot: to the first line's count, or to its own one
+    host.slots = (host.slots if host.slots is not None else 1) + 1
     host.lines.append(line)
 
 
