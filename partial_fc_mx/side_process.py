@@ -1,6 +1,11 @@
 """A process a training rank starts beside itself (the precision probe, the ONNX
 export): a new Python interpreter, started by fork + exec, never a fork of an MPI rank
-that goes on running. It must never outlive, slow down or endanger the rank."""
+that goes on running. It must never outlive, slow down or endanger the rank.
+
+The rank starts it in a session of its own (subprocess's start_new_session=True): a
+signal to the rank's process group (a terminal's Ctrl-C, a launcher's stop) is for the
+rank, which then ends its side processes itself; PR_SET_PDEATHSIG ends them if the rank
+dies."""
 
 from __future__ import annotations
 
@@ -12,10 +17,6 @@ import signal
 import sys
 
 NICENESS = 19
-SIDE_SESSION = True
-"""Start it in a session of its own (subprocess's start_new_session): a signal to the
-rank's process group (a terminal's Ctrl-C, a launcher's stop) is for the rank, which
-then ends its side processes itself; PR_SET_PDEATHSIG ends them if the rank dies."""
 
 
 def become_side_process(parent: int, nice: bool = True) -> None:

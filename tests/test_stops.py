@@ -74,11 +74,16 @@ def stop(job, work: Path, how) -> subprocess.CompletedProcess:
         kill_group(job)
 
 
+def the_mpirun(*where: str) -> int:
+    """The one mpirun that pgrep finds `where` (-s SESSION, -P PARENT)."""
+    found = subprocess.run(["pgrep", "-x", *where, "mpirun"], capture_output=True,
+                           text=True).stdout.split()
+    assert len(found) == 1, found
+    return int(found[0])
+
+
 def sigterm_to_mpirun(job) -> None:
-    mpirun = subprocess.run(["pgrep", "-x", "-s", str(os.getsid(ranks()[0])), "mpirun"],
-                            capture_output=True, text=True).stdout.split()
-    assert len(mpirun) == 1, mpirun
-    os.kill(int(mpirun[0]), signal.SIGTERM)
+    os.kill(the_mpirun("-s", str(os.getsid(ranks()[0]))), signal.SIGTERM)
 
 
 def ctrl_c(job) -> None:
@@ -131,10 +136,7 @@ def test_scancel_through_the_slurm_script_saves_on_every_rank(tmp_path):
 
 def sigusr1_to_its_mpirun(job) -> None:
     """horovodrun has become `/bin/sh -c "mpirun ..."` (Horovod's mpi_run); its child."""
-    mpirun = subprocess.run(["pgrep", "-x", "-P", str(job.pid), "mpirun"],
-                            capture_output=True, text=True).stdout.split()
-    assert len(mpirun) == 1, mpirun
-    os.kill(int(mpirun[0]), signal.SIGUSR1)
+    os.kill(the_mpirun("-P", str(job.pid)), signal.SIGUSR1)
 
 
 def sigterm_to_the_ranks(job) -> None:

@@ -162,8 +162,8 @@ def verify(forward, dataset: VerificationSet) -> VerificationResult:
         raise NonFiniteEmbeddings(
             f"{dataset.name}: the embeddings of {int((~finite).sum())} of its "
             f"{len(embeddings)} images are not finite (inf or NaN), so the model is not "
-            "scored: in eval mode a network "
-            "a few steps old overflows float32 while its BatchNorm statistics are still "
-            "near their start (train further), or the model is damaged")
+            "scored: in eval mode a network a few steps old overflows float32 while its "
+            "BatchNorm statistics are still near their start (train further), or the "
+            "model is damaged")
     return ten_fold_accuracy(pair_similarities(embeddings[dataset.where]),
                              dataset.issame.astype(bool))

@@ -28,9 +28,9 @@ from .pack import (
 from .pairs import sample_pairs
 
 HELDOUT_BIN = "heldout.bin"
+"""The verification set `pack --heldout` writes beside train.rec: `val_targets = ["heldout"]`."""
 HELDOUT_PEOPLE = "heldout_people.txt"
 """The held-out people's names, one per line, beside heldout.bin."""
-"""The verification set `pack --heldout` writes beside train.rec: `val_targets = ["heldout"]`."""
 
 
 @dataclass

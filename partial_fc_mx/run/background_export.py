@@ -29,8 +29,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ..side_process import SIDE_SESSION
-
 DONE = "EXPORTED "
 """The export process's last line on success, before the step it exported."""
 SAFE = "the checkpoint is safe (`python -m partial_fc_mx export WORK_DIR` retries)"
@@ -117,7 +115,7 @@ class BackgroundExport:
                 [sys.executable, "-m", __name__, str(self.work_dir), str(os.getpid())],
                 stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
                 env={**os.environ, "OMP_NUM_THREADS": "1", "MXNET_CPU_WORKER_NTHREADS": "1"},
-                start_new_session=SIDE_SESSION)
+                start_new_session=True)  # side_process.py
         except OSError as error:  # no temporary file, no process (a limit, no memory)
             self.log(f"WARNING: could not start the export of backbone.onnx: {error}; {SAFE}")
             return

@@ -46,7 +46,6 @@ from typing import TYPE_CHECKING
 from .. import caches, durable
 from ..errors import UserError
 from ..pfc import kernels
-from ..side_process import SIDE_SESSION
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -233,7 +232,7 @@ def run_probe(network: tuple) -> tuple[HostProbe, bool]:
     env = {**os.environ, "DNNL_VERBOSE": "1"}
     try:
         done = subprocess.run(probe_command(network), env=env, capture_output=True, text=True,
-                              timeout=PROBE_SECONDS, start_new_session=SIDE_SESSION)
+                              timeout=PROBE_SECONDS, start_new_session=True)  # side_process.py
     except subprocess.TimeoutExpired as stopped:
         output = stopped.stdout.decode(errors="replace") if stopped.stdout else ""
         return HostProbe(isa_in(output), f"the probe took more than {PROBE_SECONDS} s"), False
