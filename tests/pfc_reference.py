@@ -69,24 +69,32 @@ def target_logit_and_slope(margin, s, cos, norms):
     return margin.logit(cos, norms), margin.slope(cos, norms)
 
 
-def loss_and_grads(x, labels, weight, margin, s, columns=None):
+def loss_and_grads(x, labels, weight, margin, s, columns=None, subcenters=1, threshold=0.0):
     """Mean margin cross-entropy over the classes in `columns` (all by default).
 
     Returns (loss, d loss / d x, d loss / d weight) in float64; rows of `weight`
     outside `columns` get zero gradient. The margin's norms are constants, as in
-    AdaFace (no gradient flows through them).
+    AdaFace (no gradient flows through them). `subcenters` K: `weight` holds K rows per
+    class (class c's are rows cK ... cK + K - 1), a class's cosine is their max and
+    its gradient goes to that row alone. `threshold` (inter-class filtering, 0: off): a
+    non-target cosine above it counts as 0, with no gradient.
     """
     x, weight = np.asarray(x, np.float64), np.asarray(weight, np.float64)
-    columns = np.arange(len(weight)) if columns is None else np.asarray(columns)
-    w = weight[columns]
+    num_classes = len(weight) // subcenters
+    columns = np.arange(num_classes) if columns is None else np.asarray(columns)
+    w = weight.reshape(num_classes, subcenters, -1)[columns]  # n x K x D
     x_norm = np.linalg.norm(x, axis=1, keepdims=True)
-    w_norm = np.linalg.norm(w, axis=1, keepdims=True)
+    w_norm = np.linalg.norm(w, axis=2, keepdims=True)
     x_hat, w_hat = x / x_norm, w / w_norm
-    cos = np.clip(x_hat @ w_hat.T, -1, 1)
+    sub_cos = np.clip(np.einsum("id,ckd->ick", x_hat, w_hat), -1, 1)  # N x n x K
+    best = sub_cos.argmax(axis=2)
+    cos = np.take_along_axis(sub_cos, best[..., None], 2)[..., 0]
     rows = np.arange(len(x))
     target = np.searchsorted(columns, labels)
     assert (columns[target] == labels).all(), "every label must be among the columns"
-    logits = s * cos
+    filtered = cos > threshold if threshold > 0 else np.zeros(cos.shape, bool)
+    filtered[rows, target] = False
+    logits = s * np.where(filtered, 0.0, cos)
     target_logits, target_slopes = target_logit_and_slope(margin, s, cos[rows, target],
                                                           x_norm[:, 0])
     logits[rows, target] = target_logits
@@ -98,12 +106,17 @@ def loss_and_grads(x, labels, weight, margin, s, columns=None):
     grad_logits /= len(x)
     grad_cos = s * grad_logits
     grad_cos[rows, target] = grad_logits[rows, target] * target_slopes
-    grad_x_hat, grad_w_hat = grad_cos @ w_hat, grad_cos.T @ x_hat
+    grad_cos[filtered] = 0
+    grad_sub = np.zeros_like(sub_cos)
+    np.put_along_axis(grad_sub, best[..., None], grad_cos[..., None], 2)
+    grad_x_hat = np.einsum("ick,ckd->id", grad_sub, w_hat)
+    grad_w_hat = np.einsum("ick,id->ckd", grad_sub, x_hat)
     grad_x = (grad_x_hat - x_hat * (x_hat * grad_x_hat).sum(1, keepdims=True)) / x_norm
-    grad_w = (grad_w_hat - w_hat * (w_hat * grad_w_hat).sum(1, keepdims=True)) / w_norm
-    grad_weight = np.zeros_like(weight)
+    grad_w = (grad_w_hat - w_hat * (w_hat * grad_w_hat).sum(2, keepdims=True)) / w_norm
+    grad_weight = np.zeros_like(weight).reshape(num_classes, subcenters, -1)
     grad_weight[columns] = grad_w
-    return loss, grad_x, grad_weight
+    return loss, grad_x, grad_weight.reshape(weight.shape), filtered.sum() / (
+        filtered.size - len(x))
 
 
 def sgd_momentum(weight, states, grad, rows, lr, mu, wd):

@@ -13,6 +13,8 @@ other in one launch (the process start-up, not the cases, was most of the time).
                                           far, varying, nan-center, composed-sampled,
                                           composed-unequal,
                                           bad-label, nonfinite, width, loss-scale)
+       a case may add "sub3" (sub-center ArcFace, 3 rows per class) and "filter"
+       (inter-class filtering at 0.2), e.g. sub3-filter-blocks-replay-sampled
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ from partial_fc_mx.pfc.rows import ComposedRows, FusedRows  # noqa: E402
 LR, MU, WD = 0.5, 0.9, 5e-4
 LR_ADAMW = 0.01
 TOLERANCE = 1e-5
+SUBCENTERS = 3
+FILTER = 0.2
+"""The cases' inter-class filtering threshold: random 24-d embeddings and centers
+meet at cosines of about +-0.2 (3 sub-centers, a max of 3: higher), so a few percent
+of the negatives are filtered (checked)."""
 BFLOAT16 = np.dtype([("bfloat16", np.uint16)])  # how MXNet 1.9 names bfloat16
 # relative rounding of the embedding gradient handed back in the embeddings' dtype
 ROUNDING = {"fp16": 2e-3, "bf16": 1e-2}
@@ -119,20 +126,23 @@ def run_steps(case: str, rank: int, world: int) -> dict:
     batch_sizes = [8] * world if case == "varying" else batch_sizes
     margin, reference_margin, scale = margins(case)
     optimizer, lr, reference_update, start_states = center_optimizer(case)
+    k = SUBCENTERS if "sub3" in case else 1
+    threshold = FILTER if "filter" in case else 0.0
     rng = np.random.default_rng(1)
-    weight = rng.normal(size=(num_classes, dim)).astype(np.float32)
+    weight = rng.normal(size=(num_classes * k, dim)).astype(np.float32)
     reshape = far_apart(rng, weight, dim) if case == "far" else (lambda x: x)
-    states = start_states(rng, (num_classes, dim))
+    states = start_states(rng, (num_classes * k, dim))
     # blocks: each shard stored in blocks of 11 rows, its sample spread over them
     pfc = PartialFC(num_classes, dim, rank=rank, world_size=world, sample_rate=sample_rate,
                     margin=margin, scale=scale, fp16_centers=fp16, seed=7,
                     center_update="exact" if replay else ("lazy" if lazy else "dense"),
-                    optimizer=optimizer, center_block_rows=11 if "blocks" in case else None)
-    assert len(pfc.centers.blocks) == (-(-pfc.shard.count // 11) if "blocks" in case else 1)
+                    optimizer=optimizer, center_block_rows=11 if "blocks" in case else None,
+                    num_subcenters=k, interclass_filtering_threshold=threshold)
+    assert len(pfc.centers.blocks) == (-(-pfc.shard.count * k // 11) if "blocks" in case else 1)
     assert isinstance(pfc.rows, FusedRows)  # the CPU's
     if "composed" in case:  # the row passes a GPU runs, from MXNet operators
         pfc.rows = ComposedRows(pfc.buffers)
-    shard = slice(pfc.shard.start, pfc.shard.stop)
+    shard = slice(pfc.shard.start * k, pfc.shard.stop * k)  # the shard's rows
     stored = {name: parts[0].dtype for name, parts in pfc.centers.arrays().items()}
     # the reference starts from the same (rounded) values
     weight = weight.astype(stored.pop("weight"))
@@ -173,9 +183,15 @@ def run_steps(case: str, rank: int, world: int) -> dict:
             z = reference_margin.z(np.linalg.norm(x.astype(np.float64), axis=1))
             for name, rows in (("z=-1", z == -1), ("z=1", z == 1), ("|z|<1", abs(z) < 1)):
                 errors[name] = errors.get(name, 0) + int(rows.sum())
-        ref_loss, ref_gx, ref_gw = loss_and_grads(x, labels, ref_w, reference_margin, scale,
-                                                  sampled)
-        updated = sampled if lazy else np.arange(num_classes)
+        ref_loss, ref_gx, ref_gw, ref_filtered = loss_and_grads(
+            x, labels, ref_w, reference_margin, scale, sampled, k, threshold)
+        if threshold:  # the share of negatives filtered, and enough of them to matter
+            got_filtered = pfc.filtered_fraction.asscalar()
+            errors["filtered"] = max(errors.get("filtered", 0.0), rel(got_filtered, ref_filtered))
+            errors["filtered_share"] = round(float(ref_filtered), 3)
+            assert ref_filtered > 0.02, f"the filter took {ref_filtered:.3f} of the negatives"
+        sampled_rows = (sampled[:, None] * k + np.arange(k)).reshape(-1)
+        updated = sampled_rows if lazy else np.arange(num_classes * k)
         new_w, new_states = reference_update(ref_w, ref_states, ref_gw, updated)
         errors["loss"] = max(errors["loss"], rel(loss.asscalar(), ref_loss))
         errors["grad"] = max(errors["grad"], rel(grad.astype("float32").asnumpy(), ref_gx[mine]))
@@ -190,7 +206,8 @@ def run_steps(case: str, rank: int, world: int) -> dict:
             continue
         errors["update"] = max(errors["update"],
                                rel(got["weight"] - before["weight"], (new_w - old_w)[shard]))
-        untouched = np.setdiff1d(np.arange(pfc.shard.count), pfc.sampled_classes - pfc.shard.start)
+        mine_rows = (pfc.sampled_classes - pfc.shard.start)[:, None] * k + np.arange(k)
+        untouched = np.setdiff1d(np.arange(pfc.shard.count * k), mine_rows)
         if len(untouched) and lazy:  # unsampled rows and every state of them: bit for bit
             for name in ["weight", *states]:
                 assert got[name][untouched].tobytes() == before[name][untouched].tobytes(), \
@@ -239,15 +256,15 @@ def run_bad_input(case: str, rank: int, world: int) -> str:
     raise AssertionError(f"rank {rank}: bad input on rank {culprit} was accepted")
 
 
-def run_nan_center(rank: int, world: int) -> str:
+def run_nan_center(rank: int, world: int, k: int) -> str:
     """A NaN in one rank's sampled centers must make the loss non-finite on every rank
     (the trainer stops on it), not be skipped by the pooled row maxima. (The CPU's
     softmax turns the row's sum into Inf, so its spare entry into 0: loss Inf, or NaN
     where that rank's share underflows to 0.)"""
-    pfc = PartialFC(20, 8, rank=rank, world_size=world)
-    if rank == world - 1:
+    pfc = PartialFC(20, 8, rank=rank, world_size=world, num_subcenters=k)
+    if rank == world - 1:  # with sub-centers, one of the class's others than its first
         weight = pfc.centers.state_dict()["weight"]
-        weight[1, 3] = np.nan
+        weight[k + k // 2, 3] = np.nan
         pfc.centers.load_state_dict({"weight": weight})
     labels = np.arange(4) + 4 * rank
     loss, grad = pfc.forward_backward(mx.nd.ones((4, 8)), labels)
@@ -292,15 +309,16 @@ def run_case(case: str, rank: int, world: int) -> str:
     """The line this rank prints for `case`; raises when its errors are above limits."""
     if case == "loss-scale":
         return f"PASS rank {rank}/{world} {case}: {run_loss_scale(rank, world)}"
-    if case == "nan-center":
-        return f"PASS rank {rank}/{world} {case}: {run_nan_center(rank, world)}"
+    if case.endswith("nan-center"):
+        k = SUBCENTERS if "sub3" in case else 1
+        return f"PASS rank {rank}/{world} {case}: {run_nan_center(rank, world, k)}"
     if case in ("bad-label", "nonfinite", "width"):
         return f"REJECTED rank {rank}: {run_bad_input(case, rank, world)}"
     grad_limit = next((v for k, v in ROUNDING.items() if k in case), TOLERANCE)
     center_limit = ROUNDING["fp16"] if "fp16" in case else TOLERANCE  # float16 storage
     errors = run_steps(case, rank, world)
     limits = {"loss": TOLERANCE, "grad": grad_limit, "weight": center_limit,
-              "statistics": TOLERANCE,
+              "statistics": TOLERANCE, "filtered": TOLERANCE,
               "update": 100 * center_limit, "state_steps": 0.0,  # counts are exact
               **{k: center_limit for k in errors if k.startswith("state_") and k != "state_steps"}}
     failed = {k: v for k, v in errors.items() if k in limits and not v <= limits[k]}

@@ -54,6 +54,16 @@ EXACT = [
     ("mpirun", 2, "blocks-dense-sampled"),
     ("mpirun", 2, "composed-sampled"),  # the row passes from MXNet operators (a GPU's)
     ("horovodrun", 3, "composed-unequal"),
+    # inter-class filtering (0.2) and sub-center ArcFace (K = 3), alone and together
+    ("python", 1, "sub3-filter-sampled"),
+    ("mpirun", 2, "filter-sampled"),
+    ("horovodrun", 2, "sub3-exact"),
+    ("mpirun", 3, "sub3-filter-blocks-replay-sampled"),
+    ("mpirun", 3, "sub3-filter-composed-unequal"),
+    ("horovodrun", 3, "filter-composed-sampled"),
+    ("horovodrun", 2, "sub3-adamw-fp16-sampled"),
+    ("mpirun", 2, "sub3-blocks-dense-sampled"),
+    ("mpirun", 2, "sub3-nan-center"),
 ]
 """(launcher, processes, case): each within 1e-5 of the float64 reference."""
 

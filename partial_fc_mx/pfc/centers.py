@@ -40,6 +40,34 @@ def shard_of(num_classes: int, rank: int, world_size: int) -> Shard:
     return Shard(start, base + (rank < extra))
 
 
+MAX_SUBCENTERS = 16
+"""The most sub-centers per class: the papers use 3; every one costs the step a GEMM
+of the sampled rows' size, and the shard K times its rows."""
+
+
+def subcenter_problem(subcenters: int) -> str | None:
+    """Why a count of sub-centers per class cannot be used, or None."""
+    if isinstance(subcenters, bool) or not isinstance(subcenters, int) or not (
+            1 <= subcenters <= MAX_SUBCENTERS):
+        return (f"num_subcenters={subcenters!r} must be a whole number from 1 (plain ArcFace) "
+                f"to {MAX_SUBCENTERS}; sub-center ArcFace uses 3")
+    return None
+
+
+def subcenter_rows(classes: Shard, subcenters: int) -> Shard:
+    """The rows of a shard of classes, each class's `subcenters` rows consecutive (class
+    c's are rows cK ... cK + K - 1 of the C K x D matrix): cut by classes on any world
+    size, a class's rows stay together."""
+    return Shard(classes.start * subcenters, classes.count * subcenters)
+
+
+def subcenter_index(classes: np.ndarray | None, subcenters: int) -> np.ndarray | None:
+    """The shard rows of the sorted shard classes `classes` (None: all), still sorted."""
+    if classes is None or subcenters == 1:
+        return classes
+    return (classes[:, None] * subcenters + np.arange(subcenters)).reshape(-1)
+
+
 class ClassCenters:
     """This rank's rows of the centers, each optimizer state, and the sampler's stream.
 
@@ -396,21 +424,24 @@ def center_dtype(fp16_centers: bool) -> str:
 
 
 def tensor_size_problem(num_classes: int, world_size: int, embedding_size: int,
-                        sample_rate: float = 1.0, global_batch: int = 0) -> str | None:
+                        sample_rate: float = 1.0, global_batch: int = 0,
+                        subcenters: int = 1) -> str | None:
     """Why the n x D sampled centers or the N x n logits of a step would not fit in one
-    MXNet array of this build, or None (the logits only when `global_batch` is given).
+    MXNet array of this build, or None (the logits only when `global_batch` is given);
+    with sub-centers, n counts each sampled class's `subcenters` rows.
     Checked before anything is allocated, on every rank alike: MXNet itself fails only
     when the allocation is tried, and names no setting to change. (The shard itself is
     stored in blocks that each fit: ClassCenters.)"""
     if mx.runtime.Features().is_enabled("INT64_TENSOR_SIZE"):
         return None
     rows = shard_of(num_classes, 0, world_size).count  # rank 0's shard is the largest
-    sampled = sampled_per_step(rows, sample_rate, global_batch)
+    sampled = sampled_per_step(rows, sample_rate, global_batch) * subcenters
     if (sampled + SPARE_CENTERS) * embedding_size > INT32_ELEMENTS:
-        fewest = math.ceil(num_classes * sample_rate
+        fewest = math.ceil(num_classes * sample_rate * subcenters
                            / (INT32_ELEMENTS // embedding_size - SPARE_CENTERS))
         size = (sampled + SPARE_CENTERS) * embedding_size
-        return (f"one process scores {sampled:,} of its {rows:,} class centers per step: "
+        return (f"one process scores {sampled:,} of its {rows * subcenters:,} class centers "
+                f"per step: "
                 f"({sampled:,} + {SPARE_CENTERS} spare) x {embedding_size} = {size:,} elements, "
                 f"{TOO_MANY_ELEMENTS}; lower sample_rate or use at least {fewest} processes")
     if global_batch * (sampled + SPARE_CENTERS) > INT32_ELEMENTS:

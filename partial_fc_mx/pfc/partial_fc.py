@@ -47,17 +47,28 @@ from .centers import (
     num_sample,
     shard_of,
     sharding_problem,
+    subcenter_index,
+    subcenter_problem,
+    subcenter_rows,
     tensor_size_problem,
 )
 from .idle_rows import CENTER_UPDATES
 from .margins import Margin
 from .margins.combined import CombinedMargin
-from .rows import row_passes, row_sums, set_entries, spare_column
+from .rows import InterclassFilter, row_passes, row_sums, set_entries, spare_column
 from .sampling import sample_excluding
 
 
 class PartialFCInputError(UserError, ValueError):
     """Bad labels or embeddings on some rank; raised identically on every rank."""
+
+
+def filter_problem(threshold: float) -> str | None:
+    """Why an inter-class filtering threshold cannot be used, or None (0 is off)."""
+    if not 0 <= threshold < 1:
+        return (f"interclass_filtering_threshold={threshold} must be in [0, 1): a cosine "
+                "above it is filtered (0: off; arcface_torch's configs use 0.4)")
+    return None
 
 
 class PartialFC:
@@ -100,6 +111,8 @@ class PartialFC:
         optimizer: CenterOptimizer | None = None,
         center_block_rows: int | None = None,
         initialize_centers: bool = True,
+        interclass_filtering_threshold: float = 0.0,
+        num_subcenters: int = 1,
     ) -> None:
         """`margin`: (m1, m2, m3) of the combined margin with `scale`, or a margin of
         margins/ (which has its own scale). `optimizer`: the centers'
@@ -109,13 +122,21 @@ class PartialFC:
         (every row every step); by default "lazy", or "dense" where lazy_update is
         False. `center_block_rows`: rows per stored block of the shard (default: as many as
         one MXNet array holds; tests lower it). `initialize_centers=False` leaves
-        the rows undrawn, for a caller that loads them from a checkpoint next."""
+        the rows undrawn, for a caller that loads them from a checkpoint next.
+        `interclass_filtering_threshold` (arcface_torch's, 0: off): a negative whose
+        cosine is above it counts as cosine 0 in the softmax, with no gradient; the
+        fraction filtered is `filtered_fraction` after each step. `num_subcenters` K
+        (sub-center ArcFace): K rows per class, the class's cosine their max."""
         if not 0 < sample_rate <= 1:
             raise ValueError(f"sample_rate={sample_rate} must be in (0, 1]")
+        if problem := subcenter_problem(num_subcenters) or filter_problem(
+                interclass_filtering_threshold):
+            raise ValueError(problem)
         if problem := sharding_problem(num_classes, world_size, sample_rate):
             raise ValueError(problem)  # on every rank alike, before any collective
         # the sampled rows only: the logits' size depends on the batch (Config checks both)
-        if problem := tensor_size_problem(num_classes, world_size, embedding_size, sample_rate):
+        if problem := tensor_size_problem(num_classes, world_size, embedding_size, sample_rate,
+                                          subcenters=num_subcenters):
             raise ValueError(problem)
         update = center_update or ("lazy" if lazy_update else "dense")
         if update not in CENTER_UPDATES:
@@ -126,13 +147,16 @@ class PartialFC:
         self.center_update = update
         self.ctx = ctx or mx.cpu()
         self.seed = seed
+        self.subcenters = num_subcenters
+        self.filter_threshold = interclass_filtering_threshold
+        self.filtered_fraction: mx.nd.NDArray | None = None  # the last step's, when filtering
+        self.shard = shard_of(num_classes, rank, world_size)
         self.centers = ClassCenters(
-            shard_of(num_classes, rank, world_size), embedding_size,
+            subcenter_rows(self.shard, num_subcenters), embedding_size,
             optimizer or SGD(momentum=momentum, weight_decay=weight_decay), ctx=self.ctx,
             dtype=center_dtype(fp16_centers), seed=seed, rank=rank,
             lazy=update != "dense", exact=update == "exact", block_rows=center_block_rows,
             initialize=initialize_centers)
-        self.shard = self.centers.shard
         self.num_sample = num_sample(self.shard.count, sample_rate)
         self.margin = CombinedMargin(*margin, scale=scale) if isinstance(margin, tuple) \
             else margin
@@ -144,7 +168,8 @@ class PartialFC:
 
     @property
     def weight(self) -> mx.nd.NDArray:
-        """This rank's rows of the class centers (when they are one block)."""
+        """This rank's rows of the class centers (when they are one block): with
+        sub-centers, class c's K rows are rows cK ... cK + K - 1 of the shard."""
         return self.centers.weight
 
     @property
@@ -171,25 +196,27 @@ class PartialFC:
             batch = self._gather(embeddings, labels)
         with self.timer.phase("sampling"):
             index, target_col = self.sample(batch.labels)
+            rows = subcenter_index(index, self.subcenters)
         with self.timer.phase("compute"):
             x = batch.embeddings.as_in_context(self.ctx)
             x_norm = mx.nd.norm(x, axis=1, keepdims=True)  # scaled sums: no overflow
             x_hat = x / x_norm
             norms = x_norm.reshape(-1)
             self.margin.observe(norms)
-            self.centers.bring_current(index)  # exact update: steps the rows missed
-            w = self.centers.sampled_weights(index)
+            self.centers.bring_current(rows)  # exact update: steps the rows missed
+            w = self.centers.sampled_weights(rows)
             v, w_scale = self._scaled_centers(w)
         with self.timer.phase("gemm"):
             logits = mx.nd.FullyConnected(x_hat, v, num_hidden=v.shape[0], no_bias=True,
                                           out=self._buffer("logits", x_hat, v))
         with self.timer.phase("compute"):
-            targets = self._apply_margin(logits, norms, target_col)
+            classes = self._class_logits(logits)  # the logits themselves when K = 1
+            targets = self._apply_margin(classes, norms, target_col)
             # this rank's softmax, in place; with the row's max in the spare column, its
             # entry there is exp(0) / (1 + local_sum): this rank's exp-sum, which a NaN
             # anywhere in the row makes non-finite, where the max alone would skip it
-            local_max = self.rows.softmax_with_spare(logits)
-            prob = logits
+            local_max, filtered = self._softmax(classes, targets, target_col)
+            prob = classes
         with self.timer.phase("communication"):
             row_max = hvd.allreduce(local_max, op=hvd.Max, name="pfc.max")
         with self.timer.phase("compute"):
@@ -199,17 +226,26 @@ class PartialFC:
             target_logit = mx.nd.zeros_like(row_max)
             if targets.rows is not None:
                 target_logit[targets.rows] = targets.logits
-            sums = mx.nd.stack(local_sum, target_logit, axis=1)
+            # filtering: each row's entries filtered and scored here, summed with the rest
+            counts = [] if filtered is None else [filtered, mx.nd.full(
+                filtered.shape, prob.shape[1] - SPARE_CENTERS, ctx=self.ctx)]
+            sums = mx.nd.stack(local_sum, target_logit, *counts, axis=1)
         with self.timer.phase("communication"):
             sums = hvd.allreduce(sums, op=hvd.Sum, name="pfc.sum")
         with self.timer.phase("compute"):
             exp_sum, target_logit = sums[:, 0], sums[:, 1]
+            if filtered is not None:  # of the negatives (each row has one positive)
+                self.filtered_fraction = sums[:, 2].sum() / (sums[:, 3] - 1).sum()
             loss = (mx.nd.log(exp_sum) + row_max - target_logit).mean()
             # d loss / d logit = prob * row_weight off the targets: the rows' weights
             # go into the GEMMs' N x D inputs and outputs, not over the N x n matrix
             share = with_spare * shift / exp_sum  # prob * share: the global probabilities
             row_weight = (share / len(share)).reshape((-1, 1))
             target_grad = self._target_gradients(prob, share, targets)
+            if self.subcenters > 1:  # each class's probability to its sub-center of the max
+                targets = targets.on_subcenters(logits, self.subcenters)  # before: it reads them
+                self.rows.subcenter_scatter(logits, prob, self.subcenters)
+                prob = logits
         with self.timer.phase("gemm"):  # prob @ v and prob^T @ x_hat, oneDNN's on the CPU
             grad_x_hat, grad_v = self._buffer("grad_x_hat", x_hat), self._buffer("grad_w", v)
             fully_connected_backward(prob, x_hat * row_weight, v, grad_x_hat, grad_v)
@@ -234,7 +270,7 @@ class PartialFC:
             # v_j = w_j s / |w_j|: d loss / d w_j = s / |w_j| (dv_j less its part along
             # w_j), in place
             self.rows.project(grad_v, w, (w_scale / self.margin.scale) ** 2, w_scale)
-        self._pending = (index, w, grad_v)
+        self._pending = (rows, w, grad_v)
         mine = summed[batch.mine_start:batch.mine_stop]
         return loss, mine.astype(embeddings.dtype, copy=False)
 
@@ -321,11 +357,35 @@ class PartialFC:
 
     def _scaled_centers(self, w: mx.nd.NDArray) -> tuple[mx.nd.NDArray, mx.nd.NDArray]:
         """v = w s / |w| (x_hat @ v^T is then the logits) with the spare zero row after
-        them, whose logits' column carries each row's max through the softmax; and s / |w|."""
-        v = self.buffers.get("v", (len(w) + SPARE_CENTERS, w.shape[1]))
+        them, whose logits' column carries each row's max through the softmax; and s / |w|.
+        With sub-centers the spare column is the class logits' (_class_logits): no row."""
+        spare = SPARE_CENTERS if self.subcenters == 1 else 0
+        v = self.buffers.get("v", (len(w) + spare, w.shape[1]))
         w_scale = self.rows.scale(w, self.margin.scale, out=v[:len(w)])
-        v[len(w):] = 0
+        if spare:
+            v[len(w):] = 0
         return v, w_scale
+
+    def _class_logits(self, logits: mx.nd.NDArray) -> mx.nd.NDArray:
+        """Each class's logit, the max over its sub-centers', with the spare column
+        after them (N x (n + 1)); `logits` itself when each class has one row."""
+        if self.subcenters == 1:
+            return logits
+        classes = self.buffers.get("class logits", (logits.shape[0], logits.shape[1]
+                                                    // self.subcenters + SPARE_CENTERS))
+        self.rows.subcenter_max(logits, self.subcenters, out=classes)
+        return classes
+
+    def _softmax(self, logits: mx.nd.NDArray, targets: Targets,
+                 target_col: np.ndarray) -> tuple:
+        """This rank's softmax in place (rows.py): (the rows' maxima, the entries the
+        inter-class filter took out of each row, None when it is off)."""
+        if not self.filter_threshold:
+            return self.rows.softmax_with_spare(logits), None
+        interclass = InterclassFilter(
+            self.filter_threshold * self.margin.scale,
+            mx.nd.array(target_col, ctx=self.ctx, dtype="int64"), targets.where)
+        return self.rows.filtered_softmax_with_spare(logits, interclass)
 
     def _apply_margin(self, logits, norms, target_col: np.ndarray) -> Targets:
         """The margin on the target logits in this shard, in place; the targets with
@@ -370,6 +430,23 @@ class Targets:
     rounds: list = field(default_factory=list)
     logits: mx.nd.NDArray | None = None
     slopes: mx.nd.NDArray | None = None
+
+    def on_subcenters(self, sub_logits: mx.nd.NDArray, k: int) -> Targets:
+        """The same targets, each at its class's sub-center of the max (the first of the
+        largest logit, as the scatter chose) among the N x nK `sub_logits`. Rounds keep
+        their grouping: distinct classes have distinct sub-centers."""
+        if self.rows is None:
+            return self
+        rows, cols = self.rows.asnumpy(), self.cols.asnumpy()
+        candidates = [np.stack([rows, cols * k + j]) for j in range(k)]
+        ctx = sub_logits.context
+        entries = mx.nd.stack(*[mx.nd.gather_nd(sub_logits, mx.nd.array(c, ctx=ctx,
+                                                                         dtype="int64"))
+                                for c in candidates], axis=1)
+        sub_cols = (self.cols * k + mx.nd.argmax(entries, axis=1).astype("int64"))
+        rounds = [(positions, mx.nd.take(sub_cols, positions)) for positions, _ in self.rounds]
+        return Targets(self.rows, sub_cols, mx.nd.stack(self.rows, sub_cols), rounds,
+                       self.logits, self.slopes)
 
     @classmethod
     def of(cls, target_col: np.ndarray, ctx: mx.Context) -> Targets:

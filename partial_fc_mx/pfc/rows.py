@@ -1,6 +1,8 @@
 """The row-wise passes of one Partial FC step, outside its three GEMMs: the centers'
-scaling to v = w s / |w|, the softmax with the spare column, the projection of the
-centers' gradient. Two implementations with one interface:
+scaling to v = w s / |w|, the softmax with the spare column (with inter-class
+filtering or without), sub-center ArcFace's max over each class's sub-centers and its
+way back, the projection of the centers' gradient. Two implementations with one
+interface:
 
 - FusedRows, on the CPU: the C++ kernels of kernels/rows.cc, one pass over each row
   where the composed form makes 2-5 (at N = 1024, 50,000 sampled centers: 75 -> 19 ms
@@ -10,6 +12,8 @@ centers' gradient. Two implementations with one interface:
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import mxnet as mx
 import numpy as np
@@ -45,6 +49,30 @@ class FusedRows:
         mx.nd.pfc_softmax_with_spare(logits, threads=self.threads, out=[logits, row_max])
         return row_max
 
+    def filtered_softmax_with_spare(self, logits: mx.nd.NDArray,
+                                    interclass: InterclassFilter) -> tuple:
+        """softmax_with_spare where every entry above the filter's threshold but the
+        row's target counts as 0 and takes probability 0 (no gradient); returns the
+        maxima and the entries filtered in each row."""
+        row_max = mx.nd.empty((len(logits),), ctx=logits.context)
+        filtered = mx.nd.empty((len(logits),), ctx=logits.context)
+        mx.nd.pfc_filtered_softmax_with_spare(logits, interclass.target_col,
+                                              threshold=interclass.threshold,
+                                              threads=self.threads,
+                                              out=[logits, row_max, filtered])
+        return row_max, filtered
+
+    def subcenter_max(self, sub_logits: mx.nd.NDArray, k: int, out: mx.nd.NDArray) -> None:
+        """out[:, :n] = the max of each class's k consecutive entries of sub_logits
+        (N x nK; NaN kept); out's last column is left for the softmax."""
+        mx.nd.pfc_subcenter_max(sub_logits, out, k=k, threads=self.threads, out=out)
+
+    def subcenter_scatter(self, sub_logits: mx.nd.NDArray, prob: mx.nd.NDArray, k: int) -> None:
+        """In place over sub_logits: each class's prob to its sub-center of the max
+        (the first of the largest logit), 0 to its others."""
+        mx.nd.pfc_subcenter_scatter(sub_logits, prob, k=k, threads=self.threads,
+                                    out=sub_logits)
+
     def project(self, grad: mx.nd.NDArray, rows: mx.nd.NDArray,
                 inverse_square_norms: mx.nd.NDArray, row_scale: mx.nd.NDArray) -> None:
         """In place: grad_j = row_scale_j (grad_j - (grad_j . rows_j) inverse_square_norms_j
@@ -71,6 +99,33 @@ class ComposedRows:
         set_entries(logits, spare, row_max)
         mx.nd.softmax(logits, axis=1, out=logits)
         return row_max
+
+    def filtered_softmax_with_spare(self, logits: mx.nd.NDArray,
+                                    interclass: InterclassFilter) -> tuple:
+        kept = self.buffers.get("kept", logits.shape)  # 1, or 0 where filtered
+        mx.nd.broadcast_greater(logits, mx.nd.full((1, 1), interclass.threshold,
+                                                   ctx=logits.context), out=kept)
+        mx.nd.elemwise_sub(mx.nd.ones_like(kept), kept, out=kept)  # NaN > t: kept
+        set_entries(kept, spare_column(logits), mx.nd.ones(len(logits), ctx=logits.context))
+        if interclass.where is not None:
+            set_entries(kept, interclass.where, mx.nd.ones(interclass.where.shape[1],
+                                                           ctx=logits.context))
+        mx.nd.elemwise_mul(logits, kept, out=logits)
+        row_max = self.softmax_with_spare(logits)
+        mx.nd.elemwise_mul(logits, kept, out=logits)
+        return row_max, logits.shape[1] - row_sums(kept)
+
+    def subcenter_max(self, sub_logits: mx.nd.NDArray, k: int, out: mx.nd.NDArray) -> None:
+        rows, width = sub_logits.shape
+        out[:, :width // k] = sub_logits.reshape((rows, width // k, k)).max(axis=2)
+
+    def subcenter_scatter(self, sub_logits: mx.nd.NDArray, prob: mx.nd.NDArray, k: int) -> None:
+        rows, width = sub_logits.shape
+        by_class = sub_logits.reshape((rows, width // k, k))
+        best = mx.nd.argmax(by_class, axis=2)
+        mx.nd.one_hot(best, k, out=by_class)
+        class_prob = mx.nd.slice_axis(prob, axis=1, begin=0, end=width // k)
+        mx.nd.broadcast_mul(by_class, class_prob.reshape((rows, width // k, 1)), out=by_class)
 
     def project(self, grad: mx.nd.NDArray, rows: mx.nd.NDArray,
                 inverse_square_norms: mx.nd.NDArray, row_scale: mx.nd.NDArray) -> None:
@@ -129,6 +184,18 @@ def project_out_rows(grad: mx.nd.NDArray, rows: mx.nd.NDArray,
         mx.nd.broadcast_mul(rows_part, coefficient.reshape((-1, 1)), out=work)
         mx.nd.elemwise_sub(grad_part, work, out=grad_part)
         mx.nd.broadcast_mul(grad_part, scale, out=grad_part)
+
+
+@dataclass
+class InterclassFilter:
+    """arcface_torch's inter-class filtering on one step's logits: `threshold` in
+    logits (s times the cosine's), each row's target column in this rank's sample
+    (`target_col`, -1: none here), and the targets' (row, column) pairs (`where`, None:
+    none), which it never filters."""
+
+    threshold: float
+    target_col: mx.nd.NDArray
+    where: mx.nd.NDArray | None
 
 
 def spare_column(logits: mx.nd.NDArray) -> mx.nd.NDArray:

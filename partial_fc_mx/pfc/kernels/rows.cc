@@ -52,22 +52,61 @@ inline float exp_nonpositive(float x) {
 // The row's max over all but its last entry (NaN skipped, as MXNet's CPU max pooling
 // does), then the softmax of the whole row with the last entry set to that max: the
 // spare center's column, whose probability is then 1 / (1 + this rank's exp-sum).
+// With `filter` (inter-class filtering, arcface_torch's rule): every entry above
+// `threshold` but the row's target column (`target`, -1: none here) counts as 0 in the
+// max and the exp-sum, and its probability is 0 (no gradient); *filtered counts them.
+template <bool filter>
 PFC_CLONES void softmax_with_spare_row(const float* in, float* out, int64_t width,
-                                       float* row_max) {
+                                       float threshold, int64_t target, float* row_max,
+                                       float* filtered) {
   float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-  for (int64_t j = 0; j < width - 1; ++j) m = in[j] > m ? in[j] : m;
+  float count = 0;
+#pragma omp simd reduction(max : m) reduction(+ : count)
+  for (int64_t j = 0; j < width - 1; ++j) {
+    const bool dirty = filter && in[j] > threshold && j != target;
+    const float x = dirty ? 0.0f : in[j];
+    m = x > m ? x : m;
+    count += dirty ? 1.0f : 0.0f;
+  }
   float sum = 0;
 #pragma omp simd reduction(+ : sum)
   for (int64_t j = 0; j < width - 1; ++j) {
-    out[j] = exp_nonpositive(in[j] - m);
-    sum += out[j];
+    const bool dirty = filter && in[j] > threshold && j != target;
+    const float e = exp_nonpositive((dirty ? 0.0f : in[j]) - m);
+    sum += e;
+    out[j] = dirty ? 0.0f : e;
   }
   out[width - 1] = 1.0f;
   const float inverse = 1.0f / (sum + 1.0f);
 #pragma omp simd
   for (int64_t j = 0; j < width; ++j) out[j] *= inverse;
   *row_max = m;
+  if (filter) *filtered = count;
+}
+
+// Sub-center ArcFace: each class's logit is the max of its K sub-centers' (K
+// consecutive entries of the row), a NaN among them kept (the step's check needs it).
+PFC_CLONES void subcenter_max_row(const float* in, float* out, int64_t classes, int64_t k) {
+  for (int64_t c = 0; c < classes; ++c) {
+    float m = in[c * k];
+    for (int64_t j = 1; j < k; ++j) {
+      const float x = in[c * k + j];
+      m = (x > m || x != x) ? x : m;
+    }
+    out[c] = m;
+  }
+}
+
+// Back to the sub-centers' entries, in place over their logits: each class's
+// probability to its first sub-center of the largest logit (the max's), 0 to the others.
+PFC_CLONES void subcenter_scatter_row(float* rows, const float* prob, int64_t classes,
+                                      int64_t k) {
+  for (int64_t c = 0; c < classes; ++c) {
+    float* entries = rows + c * k;
+    int64_t best = 0;
+    for (int64_t j = 1; j < k; ++j) best = entries[j] > entries[best] ? j : best;
+    for (int64_t j = 0; j < k; ++j) entries[j] = j == best ? prob[c] : 0.0f;
+  }
 }
 
 // grad = scale * (grad - (grad . w) / |w|^2 * w) for one row: its part along w removed.
@@ -155,7 +194,129 @@ MXReturnValue softmax_forward(const Attributes& attributes, std::vector<MXTensor
   float* row_max = (*out)[1].data<float>();
   const int64_t width = (*in)[0].shape[1];
   for_each_row(attributes, (*in)[0].shape[0], [&](int64_t i) {
-    softmax_with_spare_row(logits + i * width, prob + i * width, width, row_max + i);
+    softmax_with_spare_row<false>(logits + i * width, prob + i * width, width, 0, -1,
+                                  row_max + i, nullptr);
+  });
+  return MX_SUCCESS;
+}
+
+// filtered_softmax_with_spare(logits, target columns int64 N, threshold=) ->
+// (probabilities, row maxima, entries filtered per row)
+MXReturnValue filtered_arity(const Attributes& attributes, int* inputs, int* outputs) {
+  return arity(attributes, "filtered_softmax_with_spare", {"threshold"}, 2, 3, inputs, outputs);
+}
+
+MXReturnValue filtered_types(const Attributes&, std::vector<int>* in_types,
+                             std::vector<int>* out_types) {
+  if ((*in_types)[0] != kFloat32 || (*in_types)[1] != kInt64) {
+    MX_ERROR_MSG << "filtered_softmax_with_spare takes float32 logits and int64 columns";
+    return MX_FAIL;
+  }
+  for (int& type : *out_types) type = kFloat32;
+  return MX_SUCCESS;
+}
+
+MXReturnValue filtered_shapes(const Attributes&, Shapes* in, Shapes* out) {
+  if (!is_matrix((*in)[0]) || (*in)[0][1] < 2 ||
+      (*in)[1] != std::vector<unsigned int>{(*in)[0][0]}) {
+    MX_ERROR_MSG << "filtered_softmax_with_spare needs an N x (n + 1) matrix and N columns";
+    return MX_FAIL;
+  }
+  (*out)[0] = (*in)[0];
+  (*out)[1] = {(*in)[0][0]};
+  (*out)[2] = {(*in)[0][0]};
+  return MX_SUCCESS;
+}
+
+MXReturnValue filtered_forward(const Attributes& attributes, std::vector<MXTensor>* in,
+                               std::vector<MXTensor>* out, const OpResource&) {
+  const float* logits = (*in)[0].data<float>();
+  const int64_t* target = (*in)[1].data<int64_t>();
+  float* prob = (*out)[0].data<float>();
+  float* row_max = (*out)[1].data<float>();
+  float* filtered = (*out)[2].data<float>();
+  float threshold;
+  if (read_numbers(attributes, "filtered_softmax_with_spare", {{"threshold", &threshold}}) !=
+      MX_SUCCESS)
+    return MX_FAIL;
+  const int64_t width = (*in)[0].shape[1];
+  for_each_row(attributes, (*in)[0].shape[0], [&](int64_t i) {
+    softmax_with_spare_row<true>(logits + i * width, prob + i * width, width, threshold,
+                                 target[i], row_max + i, filtered + i);
+  });
+  return MX_SUCCESS;
+}
+
+// subcenter_max(sub-center logits N x nK, classes N x (n + 1), k=) -> classes: the
+// first n columns of each row written (the last is the spare's, the softmax's to set)
+MXReturnValue subcenter_max_arity(const Attributes& attributes, int* inputs, int* outputs) {
+  return arity(attributes, "subcenter_max", {"k"}, 2, 1, inputs, outputs);
+}
+
+// subcenter_scatter(sub-center logits N x nK, probabilities N x (n + 1), k=) -> the
+// first, in place
+MXReturnValue subcenter_scatter_arity(const Attributes& attributes, int* inputs, int* outputs) {
+  return arity(attributes, "subcenter_scatter", {"k"}, 2, 1, inputs, outputs);
+}
+
+// Sub-centers per class, the attribute k.
+MXReturnValue read_k(const Attributes& attributes, const char* op, int64_t* k) {
+  float value;
+  if (read_numbers(attributes, op, {{"k", &value}}) != MX_SUCCESS) return MX_FAIL;
+  *k = int64_t(value);
+  return MX_SUCCESS;
+}
+
+// Both: N x nK sub-center entries beside N x (n + 1) class entries; the output is the
+// operator's own (the classes for the max, the sub-centers for the scatter).
+MXReturnValue subcenter_shapes(const Attributes& attributes, const char* op, int output,
+                               Shapes* in, Shapes* out) {
+  int64_t k;
+  if (read_k(attributes, op, &k) != MX_SUCCESS) return MX_FAIL;
+  const auto &sub = (*in)[0], &classes = (*in)[1];
+  if (!is_matrix(sub) || !is_matrix(classes) || sub[0] != classes[0] || k < 1 ||
+      classes[1] < 1 || int64_t(sub[1]) != k * (int64_t(classes[1]) - 1)) {
+    MX_ERROR_MSG << op << " needs N x nK sub-center entries and N x (n + 1) class entries";
+    return MX_FAIL;
+  }
+  (*out)[0] = (*in)[output];
+  return MX_SUCCESS;
+}
+
+MXReturnValue subcenter_max_shapes(const Attributes& attributes, Shapes* in, Shapes* out) {
+  return subcenter_shapes(attributes, "subcenter_max", 1, in, out);
+}
+
+MXReturnValue subcenter_scatter_shapes(const Attributes& attributes, Shapes* in, Shapes* out) {
+  return subcenter_shapes(attributes, "subcenter_scatter", 0, in, out);
+}
+
+MXReturnValue subcenter_max_forward(const Attributes& attributes, std::vector<MXTensor>* in,
+                                    std::vector<MXTensor>* out, const OpResource&) {
+  int64_t k;
+  if (read_k(attributes, "subcenter_max", &k) != MX_SUCCESS) return MX_FAIL;
+  const float* rows = (*in)[0].data<float>();
+  float* classes = (*out)[0].data<float>();
+  const int64_t width = (*in)[1].shape[1], sub_width = (*in)[0].shape[1];
+  for_each_row(attributes, (*in)[0].shape[0], [&](int64_t i) {
+    subcenter_max_row(rows + i * sub_width, classes + i * width, width - 1, k);
+  });
+  return MX_SUCCESS;
+}
+
+MXReturnValue subcenter_scatter_forward(const Attributes& attributes, std::vector<MXTensor>* in,
+                                        std::vector<MXTensor>* out, const OpResource&) {
+  int64_t k;
+  if (read_k(attributes, "subcenter_scatter", &k) != MX_SUCCESS) return MX_FAIL;
+  if ((*out)[0].data<float>() != (*in)[0].data<float>()) {
+    MX_ERROR_MSG << "subcenter_scatter works in place: call it with out=its first input";
+    return MX_FAIL;
+  }
+  float* rows = (*out)[0].data<float>();
+  const float* prob = (*in)[1].data<float>();
+  const int64_t width = (*in)[1].shape[1], sub_width = (*in)[0].shape[1];
+  for_each_row(attributes, (*in)[0].shape[0], [&](int64_t i) {
+    subcenter_scatter_row(rows + i * sub_width, prob + i * width, width - 1, k);
   });
   return MX_SUCCESS;
 }
@@ -351,6 +512,24 @@ REGISTER_OP(pfc_softmax_with_spare)
     .setInferType(all_float32)
     .setInferShape(softmax_shapes)
     .setForward(softmax_forward, "cpu");
+
+REGISTER_OP(pfc_filtered_softmax_with_spare)
+    .setParseAttrs(filtered_arity)
+    .setInferType(filtered_types)
+    .setInferShape(filtered_shapes)
+    .setForward(filtered_forward, "cpu");
+
+REGISTER_OP(pfc_subcenter_max)
+    .setParseAttrs(subcenter_max_arity)
+    .setInferType(all_float32)
+    .setInferShape(subcenter_max_shapes)
+    .setForward(subcenter_max_forward, "cpu");
+
+REGISTER_OP(pfc_subcenter_scatter)
+    .setParseAttrs(subcenter_scatter_arity)
+    .setInferType(all_float32)
+    .setInferShape(subcenter_scatter_shapes)
+    .setForward(subcenter_scatter_forward, "cpu");
 
 REGISTER_OP(pfc_project_rows)
     .setParseAttrs(project_arity)
