@@ -118,6 +118,18 @@ class Config:
     docs/parity.md compares them."""
     center_lazy_update: bool = True
     """The earlier switch: False is center_update = "dense"."""
+    interclass_filtering_threshold: float = 0.0
+    """Inter-class filtering for noisy labels (arcface_torch's name and rule): a negative
+    class whose cosine to a sample is above this counts as cosine 0 in the softmax, with
+    no gradient (a sample filed under the wrong person stops pulling its true person's
+    center away); 0: off. arcface_torch's noisy configs use 0.4. The log's
+    filtered_percent is the share of negatives filtered: on clean data nearly 0."""
+    num_subcenters: int = 1
+    """Sub-center ArcFace: K centers per class, a sample's class cosine the max over them,
+    so that wrong labels gather on sub-centers of their own; 3 in the paper. Then
+    `python -m partial_fc_mx clean` drops the samples far from each class's dominant
+    sub-center, and a K = 1 run trains on what it keeps (docs/noisy_labels.md). K times
+    the center rows and the classifier's GEMMs."""
 
     # --- optimisation ---
     batch_size: int = 128
@@ -184,6 +196,8 @@ class Config:
     def validate(self) -> None:
         """Reject values that would fail later, far from their cause, or on one rank."""
         from .backbones import unknown_network
+        from .pfc.centers import subcenter_problem
+        from .pfc.rows import filter_problem
 
         positive = ("num_classes", "embedding_size", "batch_size", "lr", "num_epoch",
                     "frequent", "verbose", "center_lr_scale", "lr_power")
@@ -206,6 +220,9 @@ class Config:
             problems.append(f"lr={self.lr} is beyond float32 (the optimizers' precision)")
         if not 0.0 < self.sample_rate <= 1.0:
             problems.append(f"sample_rate={self.sample_rate} must be in (0, 1]")
+        problems += [problem for problem in (
+            subcenter_problem(self.num_subcenters),
+            filter_problem(self.interclass_filtering_threshold)) if problem]
         try:
             self.margin_function()
         except (ValueError, TypeError) as error:  # TypeError: an option it does not take
@@ -244,7 +261,8 @@ class Config:
         if problem := sharding_problem(self.num_classes, world_size, self.sample_rate):
             raise ConfigError(problem)
         if problem := tensor_size_problem(self.num_classes, world_size, self.embedding_size,
-                                          self.sample_rate, self.batch_size * world_size):
+                                          self.sample_rate, self.batch_size * world_size,
+                                          self.num_subcenters):
             raise ConfigError(problem)
 
     def augmentation(self) -> Augmentation:

@@ -147,8 +147,9 @@ def after_step(run: Run, loss: float, lr: float, stopping: bool) -> Due:
             f"the loss became {loss} at step {state.step} (lr {lr:g}); stopping "
             "without saving. The last good checkpoint is untouched: lower lr or "
             "set clip_grad, then resume with --resume-from"))
+    filtered = run.pfc.filtered_fraction  # the inter-class filter's share (None: off)
     run.log.step(state.step, epoch, loss, lr, run.scaler.scale if run.scaler.dynamic else None,
-                 state.images_seen)
+                 state.images_seen, None if filtered is None else float(filtered.asscalar()))
     due = due_after(run.config, state, run.schedule.done(state.epoch, state.images_in_epoch),
                     dist.any_rank(stopping, name="stop"))
     if due.evaluate:
@@ -271,7 +272,9 @@ def build_classifier(config: Config, world: dist.World, ctx: mx.Context,
                      world_size=world.size, ctx=ctx, sample_rate=config.sample_rate,
                      margin=config.margin_function(), fp16_centers=config.fp16_centers,
                      seed=config.seed, center_update=config.center_update_mode(),
-                     optimizer=config.centers_optimizer(), initialize_centers=fresh_centers)
+                     optimizer=config.centers_optimizer(), initialize_centers=fresh_centers,
+                     interclass_filtering_threshold=config.interclass_filtering_threshold,
+                     num_subcenters=config.num_subcenters)
 
 
 def describe(config: Config, world: dist.World, ctx: mx.Context,

@@ -27,9 +27,12 @@ def main() -> None:
     meta = json.loads((checkpoint / "meta.json").read_text())
     optimizer = center_optimizers.build(meta["center_optimizer"])
     block_rows = int(sys.argv[2]) if len(sys.argv) > 2 else None
+    k = meta.get("num_subcenters", 1)
     pfc = PartialFC(meta["num_classes"], meta["embedding_size"], rank=hvd.rank(),
-                    world_size=hvd.size(), optimizer=optimizer, center_block_rows=block_rows)
-    assert len(pfc.centers.blocks) == (-(-pfc.shard.count // block_rows) if block_rows else 1)
+                    world_size=hvd.size(), optimizer=optimizer, center_block_rows=block_rows,
+                    num_subcenters=k)
+    assert len(pfc.centers.blocks) == (-(-pfc.shard.count * k // block_rows) if block_rows
+                                       else 1)
     load_centers(checkpoint, meta, pfc, with_states=True)
     names = ["weight", *meta["center_states"]]
     assert names[1:] == pfc.centers.state_names(), names
@@ -39,10 +42,11 @@ def main() -> None:
         for name in names:
             original = np.concatenate([np.load(checkpoint / center_file(r, name))
                                        for r in range(meta["world_size"])])
-            assert len(original) == meta["num_classes"], (name, original.shape)
+            assert len(original) == meta["num_classes"] * k, (name, original.shape)
             assert np.concatenate(gathered[name]).tobytes() == original.tobytes(), name
             assert np.abs(original).sum() > 0, f"{name} was not saved"
-        print(f"RESHARD OK {meta['world_size']} -> {hvd.size()} {' '.join(names)}", flush=True)
+        print(f"RESHARD OK {meta['world_size']} -> {hvd.size()} {' '.join(names)}"
+              f"{f' K={k}' if k > 1 else ''}", flush=True)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from conftest import (
 )
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from partial_fc_mx.pfc.partial_fc import PartialFC
 from partial_fc_mx.run import checkpoint
 from partial_fc_mx.run.metrics import read_metrics
 
@@ -149,13 +150,18 @@ def test_a_resume_in_the_same_work_dir_says_which_lines_are_redone(tmp_path, syn
     assert [step for step, _ in logged(tmp_path / "ended")["accuracy"]] == [2]
 
 
-@pytest.mark.parametrize("before, after, optimizer, blocks", [
-    (2, 1, "sgd", []), (1, 2, "sgd", []), (2, 3, "sgd", ["7"]), (3, 2, "adamw", ["9"])])
+@pytest.mark.parametrize("before, after, optimizer, blocks, subcenters", [
+    (2, 1, "sgd", [], 1), (1, 2, "sgd", [], 1), (2, 3, "sgd", ["7"], 1),
+    (3, 2, "adamw", ["9"], 1), (2, 3, "sgd", ["7"], 3), (3, 2, "adamw", [], 3)])
 def test_resharding_keeps_the_center_matrix(tmp_path, synthetic, before, after, optimizer,
-                                            blocks):
-    """`blocks`: the new ranks store their rows in blocks of that many rows."""
+                                            blocks, subcenters):
+    """`blocks`: the new ranks store their rows in blocks of that many rows;
+    `subcenters`: K rows per class, which a new shard takes together (7-row blocks
+    split a class's 3)."""
+    keys = {"num_subcenters": subcenters, "interclass_filtering_threshold": 0.3} \
+        if subcenters > 1 else {}
     config = config_file(tmp_path, synthetic, max_steps=2, save_every=2,
-                         center_optimizer=optimizer)
+                         center_optimizer=optimizer, **keys)
     args = train_args(config, tmp_path / "work")
     made = mpirun(before, args, timeout=600) if before > 1 else run(args, timeout=600)
     assert made.returncode == 0, made.stdout[-3000:]
@@ -167,7 +173,7 @@ def test_resharding_keeps_the_center_matrix(tmp_path, synthetic, before, after, 
     assert f"RESHARD OK {before} -> {after} weight {states}" in result.stdout
     # and training goes on from there on the new number of processes
     config = config_file(tmp_path, synthetic, max_steps=3, save_every=3,
-                         center_optimizer=optimizer)
+                         center_optimizer=optimizer, **keys)
     go_on = train_args(config, tmp_path / "more", "--resume-from", str(checkpoint))
     continued = mpirun(after, go_on, timeout=600) if after > 1 else run(go_on, timeout=600)
     assert continued.returncode == 0, continued.stdout[-3000:]
@@ -176,6 +182,42 @@ def test_resharding_keeps_the_center_matrix(tmp_path, synthetic, before, after, 
     lines = logged(tmp_path / "more")["steps"]
     assert [line["step"] for line in lines] == list(range(3, 3 + -(-before // after)))
     assert lines[-1]["images"] >= 3 * 24 * before > lines[-1]["images"] - 24 * after
+    assert ("filtered_percent" in lines[-1]) == (subcenters > 1)  # the filter's share
+
+
+def test_sub_centers_start_from_one_center_per_class_and_never_lose_rows(tmp_path, synthetic):
+    """--load-from a K = 1 run into K = 3: sub-center 0 of every class is its trained row,
+    the others that row turned by about 6 degrees (all distinct). A K = 3 checkpoint
+    cannot resume as K = 1 or load into K = 2: refused, naming both counts."""
+    config = config_file(tmp_path, synthetic, max_steps=2, save_every=2)
+    assert run(train_args(config, tmp_path / "a"), timeout=600).returncode == 0
+    three = config_file(tmp_path, synthetic, name="three.py", max_steps=1, save_every=1,
+                        num_subcenters=3)
+    loaded = run(train_args(three, tmp_path / "b", "--load-from", str(tmp_path / "a")),
+                 timeout=600)
+    assert loaded.returncode == 0, loaded.stdout[-3000:]
+    one = np.load(tmp_path / "a/checkpoints/step_000002/rank_0_softmax_weight.npy")
+    meta = json.loads((tmp_path / "b/checkpoints/step_000001/meta.json").read_text())
+    assert meta["num_subcenters"] == 3
+    refused = run(train_args(config, tmp_path / "c", "--resume-from", str(tmp_path / "b")),
+                  timeout=600)
+    assert refused.returncode != 0
+    assert "holds 3 sub-center(s) per class; this run has num_subcenters=1" in refused.stdout
+    two = run(train_args(config, tmp_path / "d", "--load-from", str(tmp_path / "b"),
+                         "num_subcenters=2"), timeout=600)
+    assert "holds 3 sub-center(s) per class; this run has num_subcenters=2" in two.stdout
+    # the loaded rows, before any step: a K = 3 PartialFC given the K = 1 checkpoint
+    saved = tmp_path / "a/checkpoints/step_000002"
+    pfc = PartialFC(CLASSES, 64, num_subcenters=3, initialize_centers=False)
+    checkpoint.load_centers(saved, json.loads((saved / "meta.json").read_text()), pfc,
+                            with_states=False)
+    rows = pfc.centers.state_dict()["weight"].reshape(CLASSES, 3, 64)
+    assert rows[:, 0].tobytes() == one.tobytes()
+    cos = (rows[:, 1:] * one[:, None]).sum(2) / (np.linalg.norm(rows[:, 1:], axis=2)
+                                                 * np.linalg.norm(one, axis=1)[:, None])
+    angles = np.degrees(np.arccos(np.clip(cos, -1, 1)))
+    assert 4 < angles.min() and angles.max() < 7, (angles.min(), angles.max())
+    assert not np.allclose(rows[:, 1], rows[:, 2])
 
 
 def test_load_from_takes_weights_and_starts_at_step_zero(tmp_path, synthetic):

@@ -70,7 +70,10 @@ ARMS = {"ours-exact": ours(center_update="exact"), "ours-lazy": ours(center_upda
         "arcface_torch-exact-margin": anchor(margin_gradient="exact"),
         "arcface_torch-all-three": anchor(momentum_form="mxnet", seeding="per-rank",
                                           margin_gradient="exact"),
-        "ours-exact-prelu-kernel": ours(center_update="exact", prelu="kernel")}
+        "ours-exact-prelu-kernel": ours(center_update="exact", prelu="kernel"),
+        "ours-filter": ours(center_update="exact", interclass_filtering_threshold=0.4),
+        "ours-sub3": ours(center_update="exact", num_subcenters=3),
+        "arcface_torch-filter": anchor(interclass_filtering_threshold=0.4)}
 """arcface_torch's SGD updates every centre each step (dense). Three differences of its
 train_v2.py have an arm of their own: it decays the rate with power 1, ours with 2
 (config lr_power), so the study trains both toolkits with 2, and both with 1 in the
@@ -81,7 +84,11 @@ passes the plain cosine's gradient (-exact-margin differentiates it, as ours doe
 recipe.py); -all-three changes the three at once. ours-exact-prelu-kernel trains the
 scale task's PReLU with the trainer's CPU kernel, where the other arms of ours have
 MXNet's LeakyReLU (recipe.py's `prelu`); on the images task, where every arm of ours
-has the kernel, it is ours-exact."""
+has the kernel, it is ours-exact. The noisy-label study's (--noise; docs/noisy_labels.md):
+ours-filter and arcface_torch-filter filter at arcface_torch's own threshold, 0.4 (not
+tuned: no split of the data chose it), ours-sub3 trains 3 sub-centers per class."""
+NOISY_BASELINE = "arcface_torch-filter"
+"""What the noisy-label arms of ours are compared with: the anchor's best recipe."""
 
 
 IMAGES_RECIPE = {"embedding_size": 512, "batch_size": 64, "epochs": 4, "evaluations": 5,
@@ -107,11 +114,11 @@ at 0.6 alone (0.30 of a picture's spread against 0.4), so that training gets a s
 from its first steps (alike as a whole, the smallest networks stalled)."""
 
 
-def task_of(kind: str, classes: int, per_class: int, seed: int) -> Task:
+def task_of(kind: str, classes: int, per_class: int, seed: int, noise: str = "") -> Task:
     if kind == "images":
         return Task(classes, per_class, seed=seed, kind=kind, heldout=IMAGES_HELDOUT,
-                    shared=IMAGES_SHARED, kin=IMAGES_KIN)
-    return Task(classes, per_class, seed=seed, kind=kind)
+                    shared=IMAGES_SHARED, kin=IMAGES_KIN, noise=noise)
+    return Task(classes, per_class, seed=seed, kind=kind, noise=noise)
 
 
 def recipe_changes(args: argparse.Namespace) -> dict:
@@ -240,6 +247,9 @@ def baseline_of(name: str) -> str | None:
     """The arm `name` is compared with: ours with arcface_torch at the same power; an
     arcface_torch diagnostic with arcface_torch itself."""
     arm = ARMS[name]
+    noisy = "interclass_filtering_threshold" in arm.changes or "num_subcenters" in arm.changes
+    if arm.toolkit == "ours" and noisy:
+        return NOISY_BASELINE
     if arm.toolkit == "ours":
         return "arcface_torch" if arm.power == 2.0 else "arcface_torch-power1"
     return "arcface_torch" if name != "arcface_torch" and arm.power == 2.0 else None
@@ -329,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--network", choices=BACKBONES, default="mbf",
                         help="the images task's backbone (the scale task trains an MLP)")
     parser.add_argument("--per-class", type=int, default=8)
+    parser.add_argument("--noise", default="", metavar="KIND",
+                        help="label noise of the training samples, e.g. flips0.4 or "
+                        "splits0.3 (parity/noise.py); the held-out identities stay clean")
     parser.add_argument("--epochs", type=int,
                         help=f"default: {Recipe.epochs} (scale task), "
                         f"{IMAGES_RECIPE['epochs']} (images)")
@@ -348,8 +361,8 @@ def main(argv: list[str] | None = None) -> int:
         for rate in args.rates:
             by_arm = cells.setdefault((classes, rate), {})
             for seed in dict.fromkeys(args.seeds):  # a seed given twice runs once
-                task = write_task(task_of(args.kind, classes, args.per_class, seed),
-                                  work / "data")
+                task = write_task(task_of(args.kind, classes, args.per_class, seed,
+                                          args.noise), work / "data")
                 for name in args.arms:
                     arm = ARMS[name]
                     processes = "" if args.np == 2 else f"-np{args.np}"

@@ -224,7 +224,8 @@ def train(recipe: Recipe, arcface_torch: Path) -> None:
     num_classes = int(y.max()) + 1
     backbone = torch.nn.parallel.DistributedDataParallel(
         network(torch, recipe, arcface_torch), broadcast_buffers=False)
-    margin = reference["losses"].CombinedMarginLoss(64, 1.0, 0.5, 0.0)
+    margin = reference["losses"].CombinedMarginLoss(64, 1.0, 0.5, 0.0,
+                                                    recipe.interclass_filtering_threshold)
     if recipe.margin_gradient == "exact":
         margin = exact_arcface(torch, 64.0, 0.5)
     if recipe.seeding == "per-rank":
@@ -290,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     recipe = replace(from_args(args), center_update="dense")  # torch's SGD: every row
+    if recipe.num_subcenters != 1:
+        raise SystemExit("arcface_torch has no sub-center ArcFace: --num-subcenters 1")
     recipe.out.mkdir(parents=True, exist_ok=True)
     train(recipe, args.arcface_torch)
     return 0

@@ -91,6 +91,8 @@ def recipe_config(recipe: Recipe, num_classes: int) -> Config:
                     center_update=recipe.center_update, seed=recipe.seed,
                     margin_list=(1.0, 0.5, 0.0), scale=64.0, num_epoch=recipe.epochs,
                     lr_power=recipe.power,
+                    interclass_filtering_threshold=recipe.interclass_filtering_threshold,
+                    num_subcenters=recipe.num_subcenters,
                     **({} if recipe.network == "mlp" else {"network": recipe.network}))
     config.validate()
     return config

@@ -72,6 +72,11 @@ class Recipe:
     """Held-out embeddings written this many times along the run (the curves)."""
     network: str = "mlp"
     """"mlp" for the scale task; a backbone both toolkits build (BACKBONES) for images."""
+    interclass_filtering_threshold: float = 0.0
+    """Both: arcface_torch's inter-class filtering (its CombinedMarginLoss's; ours the
+    config key of the same name); 0: off."""
+    num_subcenters: int = 1
+    """Ours only: sub-center ArcFace's rows per class (config num_subcenters)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from ..data.network_input import to_network_input
+from .noise import add_noise
 
 KINDS = ("latent", "images")
 
@@ -66,17 +67,24 @@ class Task:
     kin: float = 0.0
     """Images: the fraction of the rest that a family's members share (images.py);
     in the folder's name when not 0 (the folders made before it had none)."""
+    noise: str = ""
+    """Label noise of the training samples (noise.py: "flips0.4", "splits0.3"; "" for
+    none), the true labels kept in train_y_true.npy; the held-out identities stay clean.
+    In the folder's name when set."""
 
     @property
     def name(self) -> str:
         kin = f"-kin{self.kin:g}" if self.kin else ""
         shared = f"-shared{self.shared:g}{kin}" if self.kind == "images" else ""
-        return (f"{self.kind}{self.classes}x{self.per_class}{shared}-heldout{self.heldout}"
-                f"x{self.heldout_per_class}-seed{self.seed}")
+        noise = f"-{self.noise}" if self.noise else ""
+        return (f"{self.kind}{self.classes}x{self.per_class}{shared}{noise}-heldout"
+                f"{self.heldout}x{self.heldout_per_class}-seed{self.seed}")
 
 
 FILES = ("train_x.npy", "train_y.npy", "heldout_x.npy", "heldout_y.npy", "pairs.npy",
          "issame.npy")
+TRUE_LABELS = "train_y_true.npy"
+"""A noisy task's true training labels (each sample's identity), beside train_y.npy."""
 
 
 def random_map(rng: np.random.Generator):
@@ -159,6 +167,9 @@ def write_task(task: Task, folder: Path) -> Path:
     if not made.is_file():
         out.mkdir(parents=True, exist_ok=True)
         train_x, train_y, heldout_x, heldout_y = make_samples(task)
+        if task.noise:  # the true labels first, then the ones trained on
+            np.save(out / TRUE_LABELS, train_y)
+            train_y = add_noise(train_y, task.noise, task.seed)
         for name, array in zip(FILES[:4], (train_x, train_y, heldout_x, heldout_y)):
             np.save(out / name, array)
     pairs, issame = verification_pairs(np.random.default_rng([task.seed, 2038, 1]),

@@ -55,20 +55,12 @@ from .centers import (
 from .idle_rows import CENTER_UPDATES
 from .margins import Margin
 from .margins.combined import CombinedMargin
-from .rows import InterclassFilter, row_passes, row_sums, set_entries, spare_column
+from .rows import InterclassFilter, filter_problem, row_passes, row_sums, set_entries, spare_column
 from .sampling import sample_excluding
 
 
 class PartialFCInputError(UserError, ValueError):
     """Bad labels or embeddings on some rank; raised identically on every rank."""
-
-
-def filter_problem(threshold: float) -> str | None:
-    """Why an inter-class filtering threshold cannot be used, or None (0 is off)."""
-    if not 0 <= threshold < 1:
-        return (f"interclass_filtering_threshold={threshold} must be in [0, 1): a cosine "
-                "above it is filtered (0: off; arcface_torch's configs use 0.4)")
-    return None
 
 
 class PartialFC:

@@ -198,6 +198,14 @@ class InterclassFilter:
     where: mx.nd.NDArray | None
 
 
+def filter_problem(threshold: float) -> str | None:
+    """Why an inter-class filtering threshold cannot be used, or None (0 is off)."""
+    if not 0 <= threshold < 1:
+        return (f"interclass_filtering_threshold={threshold} must be in [0, 1): a cosine "
+                "above it is filtered (0: off; arcface_torch's configs use 0.4)")
+    return None
+
+
 def spare_column(logits: mx.nd.NDArray) -> mx.nd.NDArray:
     """The (row, column) indices of the logits' last column, the spare center's."""
     rows = np.arange(len(logits))

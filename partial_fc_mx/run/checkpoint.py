@@ -7,7 +7,8 @@
                                        file below with its size and CRC-32
         backbone.params                backbone weights and BatchNorm statistics
         backbone_optimizer.npz         the backbone optimizer's state (no pickle)
-        rank_{r}_softmax_weight.npy    rank r's class centers (rows start..stop of C x D)
+        rank_{r}_softmax_weight.npy    rank r's class centers (rows start..stop of C x D;
+                                       with K sub-centers, rows start K..stop K of CK x D)
         rank_{r}_softmax_weight_{state}.npy  each state of the centers' optimizer, one
                                        row per center (SGD: _mom, AdamW: _mean, _var,
                                        _steps)
@@ -157,6 +158,7 @@ def save(work_dir: Path, state: TrainState, net, trainer, pfc: PartialFC,
     def finish() -> None:
         meta = {"format": FORMAT, **asdict(state), "world_size": world.size,
                 "num_classes": pfc.num_classes, "embedding_size": pfc.embedding_size,
+                "num_subcenters": pfc.subcenters,
                 "shards": [list(asdict(shard_of(pfc.num_classes, r, world.size)).values())
                            for r in range(world.size)],
                 "margin": {"name": pfc.margin.name, "state": pfc.margin.state_dict()},
@@ -436,12 +438,27 @@ def read_meta(checkpoint: Path, pfc: PartialFC, weights_only: bool = False) -> d
             f"{checkpoint} was trained with center_optimizer={saved!r}; this run has "
             f"center_optimizer={pfc.centers.optimizer.name!r}. Resume with {saved!r}, or "
             f"start {pfc.centers.optimizer.name!r} afresh from its weights with --load-from")
+    saved_k = subcenters_of(meta)
+    if saved_k != pfc.subcenters and (not weights_only or saved_k != 1):
+        how = ("start a run with sub-centers from it with --load-from (each class's row "
+               "becomes its sub-centers)" if saved_k == 1 else
+               "find each class's dominant sub-center and clean the data with `python -m "
+               "partial_fc_mx clean`, then train the cleaned data afresh")
+        raise CheckpointError(
+            f"{checkpoint} holds {saved_k} sub-center(s) per class; this run has "
+            f"num_subcenters={pfc.subcenters}. Continue it with num_subcenters={saved_k}, "
+            f"or {how}")
     if not weights_only and sorted(center_states(meta)) != pfc.centers.state_names():
         raise CheckpointError(
             f"{checkpoint} holds the center states {center_states(meta)}; "
             f"{pfc.centers.optimizer.name} keeps {pfc.centers.state_names()}: it is damaged "
             "or from another version (its weights can be used with --load-from)")
     return meta
+
+
+def subcenters_of(meta: dict) -> int:
+    """Sub-centers per class of a checkpoint (1 before they were recorded)."""
+    return int(meta.get("num_subcenters", 1))
 
 
 def update_change(checkpoint: Path, pfc: PartialFC) -> str | None:
@@ -461,22 +478,27 @@ def update_change(checkpoint: Path, pfc: PartialFC) -> str | None:
 def load_centers(checkpoint: Path, meta: dict, pfc: PartialFC, with_states: bool,
                  sampler: dict | None = None) -> None:
     """This rank's rows of the centers (and of every optimizer state), cut from the
-    saved shards; without states, the optimizer starts afresh. `sampler`: the
-    generator state to continue (None: keep the current stream)."""
+    saved shards by classes (a class's sub-centers stay together); without states, the
+    optimizer starts afresh. `sampler`: the generator state to continue (None: keep
+    the current stream). A checkpoint of one row per class under a run of K
+    sub-centers (--load-from; read_meta allows no other change) gives each class K
+    rows from its one (SubcenterRows)."""
     widths = pfc.centers.widths()
     names = ["weight", *(center_states(meta) if with_states else [])]
     parts = {name: [] for name in names}
-    mine = pfc.shard
+    mine, k = pfc.shard, subcenters_of(meta)
     for rank, (start, count) in enumerate(meta["shards"]):
         low, high = max(start, mine.start), min(start + count, mine.stop)
         if low >= high:
             continue
         for name in names:
-            saved = saved_rows(checkpoint / center_file(rank, name), (count, widths[name]))
-            parts[name].append(saved[low - start:high - start])
+            saved = saved_rows(checkpoint / center_file(rank, name), (count * k, widths[name]))
+            parts[name].append(saved[(low - start) * k:(high - start) * k])
+    rows = {name: JoinedRows(p) for name, p in parts.items()}
+    if k != pfc.subcenters:
+        rows = {"weight": SubcenterRows(rows["weight"], pfc.subcenters, mine.start, pfc.seed)}
     try:
-        pfc.centers.load_state_dict({**{name: JoinedRows(p) for name, p in parts.items()},
-                                     **({"sampler": sampler} if sampler else {})})
+        pfc.centers.load_state_dict({**rows, **({"sampler": sampler} if sampler else {})})
     except ValueError as error:
         raise CheckpointError(f"{checkpoint}: {error}") from error
 
@@ -499,6 +521,54 @@ class JoinedRows:
     def __array__(self, dtype=None) -> np.ndarray:
         joined = np.concatenate(self.parts) if len(self.parts) > 1 else np.asarray(self.parts[0])
         return joined if dtype is None else joined.astype(dtype, copy=False)
+
+
+class SubcenterRows:
+    """A shard's rows of one center per class as rows of K sub-centers each, for
+    --load-from into a sub-center run: sub-center 0 of a class is its saved row, each
+    other one that row turned by about 5.7 degrees (the row plus SUBCENTER_SPREAD times
+    its norm along a random unit direction, drawn from (seed, class block): the same
+    on any world size). Identical sub-centers would tie for every sample, and the first
+    would take every gradient. Sliced by rows as JoinedRows; np.asarray reads them."""
+
+    def __init__(self, classes: JoinedRows, k: int, first_class: int, seed: int) -> None:
+        self.classes, self.k, self.first_class, self.seed = classes, k, first_class, seed
+        self.shape = (classes.shape[0] * k, classes.shape[1])
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        low, high, _ = rows.indices(self.shape[0])
+        first, last = low // self.k, -(-high // self.k)  # the classes the rows are of
+        base = np.asarray(self.classes[first:last], dtype=np.float32)
+        turned = np.repeat(base, self.k, axis=0)
+        turned += SUBCENTER_SPREAD * np.linalg.norm(turned, axis=1, keepdims=True) * \
+            self.directions(self.first_class + first, len(base))
+        turned[::self.k] = base  # sub-center 0: the row itself
+        return turned[low - first * self.k:high - first * self.k]
+
+    def directions(self, first_class: int, count: int) -> np.ndarray:
+        """Unit directions for every sub-center of `count` classes from `first_class`,
+        drawn per block of SUBCENTER_BLOCK classes."""
+        out = np.empty((count * self.k, self.shape[1]), np.float32)
+        stop = first_class + count
+        for block in range(first_class // SUBCENTER_BLOCK, (stop - 1) // SUBCENTER_BLOCK + 1):
+            drawn = np.random.default_rng([self.seed, 2039, block]).standard_normal(
+                (SUBCENTER_BLOCK * self.k, self.shape[1]), dtype=np.float32)
+            low, high = max(block * SUBCENTER_BLOCK, first_class), min(
+                (block + 1) * SUBCENTER_BLOCK, stop)
+            offset = block * SUBCENTER_BLOCK
+            out[(low - first_class) * self.k:(high - first_class) * self.k] = \
+                drawn[(low - offset) * self.k:(high - offset) * self.k]
+        return out / np.linalg.norm(out, axis=1, keepdims=True)
+
+    def __array__(self, dtype=None) -> np.ndarray:
+        rows = self[0:self.shape[0]]
+        return rows if dtype is None else rows.astype(dtype, copy=False)
+
+
+SUBCENTER_SPREAD = 0.1
+"""How far a loaded class's other sub-centers start from its row, in its norm."""
+SUBCENTER_BLOCK = 1024
+"""Classes per random block of those directions."""
 
 
 def saved_rows(path: Path, shape: tuple) -> np.ndarray:

@@ -27,7 +27,9 @@ def step_line(record: dict) -> str:
     return (f"Speed {record['speed']:.2f} samples/sec   Loss {record['loss']:.4f}   "
             f"LearningRate {record['learning_rate']:.6f}   Epoch: {record['epoch']}   "
             f"Global Step: {record['step']}   Required: {record['required_hours']:.1f} hours   "
-            f"DataWait: {record['data_wait_percent']:.1f}%   Images: {record['images']}")
+            f"DataWait: {record['data_wait_percent']:.1f}%   Images: {record['images']}"
+            + (f"   Filtered: {record['filtered_percent']:.2f}%" if "filtered_percent" in record
+               else ""))
 
 
 def evaluation_line(record: dict) -> str:

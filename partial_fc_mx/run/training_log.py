@@ -36,6 +36,7 @@ class TrainingLog:
         self.logger.propagate = False
         self.logger.setLevel(logging.INFO)
         self._losses: list[float] = []
+        self._filtered: list[float] = []
         self._tic, self._tic_step = time.time(), first_step
         self.data_wait = WaitTimer()  # the trainer times its loader with it: DataWait
         self.bar = self.writer = self.metrics = None
@@ -64,10 +65,14 @@ class TrainingLog:
             self.logger.info(message)
 
     def step(self, step: int, epoch: int, loss: float, lr: float, loss_scale: float | None,
-             images: int) -> None:
+             images: int, filtered: float | None = None) -> None:
         """Called after every step (`step` = steps done); writes every `frequent` steps.
-        `loss_scale`: None when the run scales no loss (float32), so none is written."""
+        `loss_scale`: None when the run scales no loss (float32), so none is written;
+        `filtered`: the share of negatives the inter-class filter took (None: off),
+        written as filtered_percent, the mean over the steps of the line."""
         self._losses.append(loss)
+        if filtered is not None:
+            self._filtered.append(filtered)
         if self.bar is not None:
             self.bar.update(1)
         if step % self.frequent and step != self.total_steps:
@@ -81,9 +86,11 @@ class TrainingLog:
                   "data_wait_percent": 100 * self.data_wait.seconds / max(elapsed, 1e-9)}
         if loss_scale is not None:
             values["loss_scale"] = loss_scale
+        if self._filtered:
+            values["filtered_percent"] = 100 * sum(self._filtered) / len(self._filtered)
         self.record({"kind": "step", "step": step, "epoch": epoch, "images": images,
                      "required_hours": required, **values}, values)
-        self._losses, self._tic, self._tic_step = [], time.time(), step
+        self._losses, self._filtered, self._tic, self._tic_step = [], [], time.time(), step
         self.data_wait.seconds = 0.0
 
     def evaluation(self, name: str, step: int, result: VerificationResult) -> None:
