@@ -44,7 +44,7 @@ from .run import checkpoint, cpu_precision, workdir
 from .run.backbone_optimizer import BackboneAdamW, OptimizerStateError
 from .run.background_export import BackgroundExport
 from .run.checkpoint import CheckpointError, TrainState
-from .run.data_source import make_loader, open_dataset
+from .run.data_source import identity_of, make_loader, open_dataset
 from .run.heartbeat import Heartbeat
 from .run.interrupts import StopRequest, Watchdog
 from .run.precision import LossScaler, build_backbone, clip_global_norm
@@ -383,7 +383,7 @@ def save(run: Run, export: bool = True, last: bool = False) -> None:
     start_time = time.time()
     path = checkpoint.save(run.work_dir, run.state, run.net, run.trainer, run.pfc,
                            run.validator, run.world, run.config.keep_checkpoints,
-                           composition(run.dataset))
+                           composition(run.dataset), identity_of(run.dataset))
     exporting = ("; backbone.onnx of it (or of a later save) follows in the background"
                  if export and not last else "")
     run.log.info(f"saved checkpoint {path} in {time.time() - start_time:.1f} s{exporting}")

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pfc_reference import AdaFace as ReferenceAdaFace  # noqa: E402
 from pfc_reference import adamw, loss_and_grads, sgd_momentum  # noqa: E402
 
+from partial_fc_mx.cleaning.dominant import own_class_cosines  # noqa: E402
 from partial_fc_mx.pfc.center_optimizers.adamw import AdamW  # noqa: E402
 from partial_fc_mx.pfc.center_optimizers.sgd import SGD  # noqa: E402
 from partial_fc_mx.pfc.margins.adaface import AdaFace  # noqa: E402
@@ -158,6 +159,9 @@ def run_steps(case: str, rank: int, world: int) -> dict:
     for step in range(steps):
         x, labels, offsets = problem(100 + step, world, num_classes, dim, batch_sizes)
         x = reshape(x)
+        if threshold:  # every other row near its class's (first) center: a target cosine
+            near = np.arange(0, len(x), 2)  # above the threshold, which must stay
+            x[near] = weight[labels[near] * k] + 0.1 * x[near] / np.sqrt(dim)
         if case == "varying" and step == 1:
             labels %= 2  # two classes, both on rank 0
         mine = slice(offsets[rank], offsets[rank + 1])
@@ -190,6 +194,10 @@ def run_steps(case: str, rank: int, world: int) -> dict:
             errors["filtered"] = max(errors.get("filtered", 0.0), rel(got_filtered, ref_filtered))
             errors["filtered_share"] = round(float(ref_filtered), 3)
             assert ref_filtered > 0.02, f"the filter took {ref_filtered:.3f} of the negatives"
+            target_cos = own_class_cosines(x, labels, ref_w.reshape(num_classes, k, dim)[labels])
+            protected = int((np.cos(np.arccos(target_cos.max(1)) + 0.5) > threshold).sum())
+            assert protected > 0, "no target's logit is above the threshold: none protected"
+            errors["protected_targets"] = protected
         sampled_rows = (sampled[:, None] * k + np.arange(k)).reshape(-1)
         updated = sampled_rows if lazy else np.arange(num_classes * k)
         new_w, new_states = reference_update(ref_w, ref_states, ref_gw, updated)

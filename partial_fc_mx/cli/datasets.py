@@ -1,5 +1,6 @@
 """Preparing and checking datasets: `pack`, `make-bin`, `pack-orl`, `pack-synthetic`,
-`inspect`."""
+`inspect`, and `clean` (a trained run's dataset less the samples it takes for wrong
+labels)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,28 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     held.add_argument("--pairs", type=at_least(5), default=3000,
                       help="genuine pairs to draw at most (as many impostor pairs)")
     held.add_argument("--seed", type=int, default=0, help="which people and pairs are drawn")
+    cleaning = commands.add_parser(
+        "clean", help="write the training set less the samples far from their class's "
+                      "dominant sub-center (sub-center ArcFace's cleaning); under mpirun or "
+                      "horovodrun for a large set",
+        description="Embeds DATASET with WORK_DIR's backbone, finds each class's dominant "
+                    "sub-center from its newest checkpoint (with num_subcenters=1: the class "
+                    "center) and writes the samples within --angle of it to OUT, labels "
+                    "renumbered (OUT/labels.txt: new old), with OUT/clean_report.json. "
+                    "Interrupted, it goes on from its last finished chunk.")
+    cleaning.set_defaults(func=clean_command)
+    cleaning.add_argument("work_dir", type=Path, help="the trained run")
+    cleaning.add_argument("out", type=Path, help="the folder of the cleaned dataset")
+    cleaning.add_argument("--rec", nargs="+", required=True,
+                          help="the dataset the run trained on (several: its `rec` list, in "
+                               "order)")
+    cleaning.add_argument("--angle", type=float, default=75.0,
+                          help="drop samples farther than this from their class's dominant "
+                               "sub-center, in degrees (default: %(default)s, the paper's)")
+    cleaning.add_argument("--chunk", type=at_least(1), default=50_000,
+                          help="images a rank embeds before it saves (default: %(default)s)")
+    cleaning.add_argument("--batch-size", type=at_least(1), default=128)
+    cleaning.add_argument("--gpu", type=int, metavar="N", help="embed on GPU N (default: CPU)")
     make_bin = commands.add_parser(
         "make-bin", help="an insightface .bin verification set from your own pairs",
         description="PAIRS lists one pair per line: LFW's 'name n1 n2' (same person) and "
@@ -112,6 +135,24 @@ def pack_command(args: argparse.Namespace) -> int:
               f"{', ...' if len(held.people) > 5 else ''}: all of them in {names_path}); "
               "verify on them during training "
               f"with val_targets = [\"{Path(HELDOUT_BIN).stem}\"] (read from <rec>/{HELDOUT_BIN})")
+    return 0
+
+
+def clean_command(args: argparse.Namespace) -> int:
+    from ..cleaning.clean import clean
+
+    if not 0 < args.angle < 180:
+        raise DataError(f"--angle {args.angle}: an angle in degrees, between 0 and 180")
+    rec = [str(path) for path in args.rec]
+    report = clean(args.work_dir, args.out, rec if len(rec) > 1 else rec[0], args.angle,
+                   args.chunk, args.batch_size, args.gpu)
+    if report is not None:
+        for note in report["notes"]:
+            print(note)
+        print(f"kept {report['images_kept']} of {report['images']} images and "
+              f"{report['classes_kept']} of {report['classes']} classes within "
+              f"{report['angle']:g} degrees of their class's dominant sub-center; wrote "
+              f"{args.out} (labels.txt: new id, old id; {args.out / 'clean_report.json'})")
     return 0
 
 

@@ -133,10 +133,11 @@ def plain_name(name) -> str:
 # ----- saving -----
 def save(work_dir: Path, state: TrainState, net, trainer, pfc: PartialFC,
          validator: Validator, world: dist.World, keep: int,
-         datasets: list | None = None) -> Path:
+         datasets: list | None = None, dataset: dict | None = None) -> Path:
     """Write a checkpoint of `state` on every rank; returns its directory. Any rank's
     failure (a full disk, a non-finite weight) is raised on every rank. `datasets`: the
-    composition of a `rec` list (data/joined.py), which a resume must repeat."""
+    composition of a `rec` list (data/joined.py), which a resume must repeat;
+    `dataset`: what `clean` recognises the training set by (data_source.identity_of)."""
     pfc.centers.bring_all_current()  # the exact update: the rows a dense run would save
     settle()
     refuse_non_finite(net, pfc, state.step, work_dir)
@@ -167,6 +168,7 @@ def save(work_dir: Path, state: TrainState, net, trainer, pfc: PartialFC,
                 "center_states": pfc.centers.state_names(),
                 "validator": validator.state_dict(),
                 **({"datasets": datasets} if datasets else {}),
+                **({"dataset": dataset} if dataset else {}),
                 "files": dict(sorted(table.items()))}
         durable.write_file(partial / META, lambda f: f.write(json.dumps(meta, indent=1)
                                                              .encode()))

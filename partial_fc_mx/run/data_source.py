@@ -52,3 +52,13 @@ def decode_threads(configured: int, world: World) -> int:
     cores = os.cpu_count() or 2
     mine = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
     return max(2, min(mine, cores // max(world.local_size, 1)))
+
+
+def identity_of(dataset: RecordDataset | JoinedDataset | None) -> dict | None:
+    """What a checkpoint keeps of the dataset it was trained on, for `clean` to recognise
+    it: classes, images and each train.idx's size and CRC-32 (None: random tensors)."""
+    if dataset is None:
+        return None
+    parts = dataset.parts if isinstance(dataset, JoinedDataset) else [dataset]
+    return {"classes": dataset.num_classes, "images": len(dataset),
+            "index": [dict(part.records.offsets.fingerprint) for part in parts]}
