@@ -9,6 +9,26 @@ import pytest
 from conftest import horovodrun_gloo, run
 
 
+def test_pfc_bench_times_the_noisy_label_variants_against_the_plain_step():
+    """--variants: the filter and 3 sub-centers in the same run, each against the plain
+    step, with 3x the sampled rows for the sub-centers and their memory in the theory."""
+    result = horovodrun_gloo(2, [sys.executable, "-m", "partial_fc_mx.bench", "pfc",
+                                 "--classes", "4000", "--num-sample", "100",
+                                 "--batch-size", "8", "--embedding-size", "16",
+                                 "--steps", "2", "--warmup", "1",
+                                 "--variants", "plain", "filter", "sub3"], timeout=180)
+    assert result.returncode == 0, result.stdout[-3000:]
+    out = result.stdout
+    for rank in (0, 1):
+        assert re.search(rf"rank {rank}  sub3  C=\s+4,000  sampled rows\s+300  step", out)
+        for variant, rows in (("filter", "1.0"), ("sub3", "3.0")):
+            assert re.search(rf"rank {rank}  C=4,000: {variant} step = [\d.]+x plain's "
+                             rf"\([\d.]+ / [\d.]+ ms\); its GEMMs' growth alone \({rows}x the "
+                             r"rows\) would make it [\d.]+x", out), out[-3000:]
+    theory = [float(t) for t in re.findall(r"x theory ([\d,.]+) MiB", out)]
+    assert len(theory) == 6 and theory[2] > 2 * theory[0]  # rank 0: plain, filter, sub3
+
+
 def test_pfc_bench_reports_the_sample_ratios_and_memory_for_each_rank():
     result = horovodrun_gloo(2, [sys.executable, "-m", "partial_fc_mx.bench", "pfc",
                                  "--classes", "2001", "30000", "--num-sample", "100",
@@ -17,13 +37,13 @@ def test_pfc_bench_reports_the_sample_ratios_and_memory_for_each_rank():
     assert result.returncode == 0, result.stdout[-3000:]
     out = result.stdout
     # rank 0's shard of 2001 classes has 1001 rows; --num-sample 100 -> 100 sampled
-    assert re.search(r"rank 0  C=\s+2,001  sampled\s+100  step", out)
-    assert re.search(r"rank 1  C=\s+30,000  sampled\s+100  step", out)
+    assert re.search(r"rank 0  plain  C=\s+2,001  sampled rows\s+100  step", out)
+    assert re.search(r"rank 1  plain  C=\s+30,000  sampled rows\s+100  step", out)
     ratios = [float(r) for r in re.findall(r"RSS \+[\d,]+ MiB = ([\d.]+)x theory", out)]
     assert len(ratios) == 4 and all(r > 0 for r in ratios)
     assert len(re.findall(r"at the same sample size: \d+\.\d+", out)) == 2
     # both ranks' GEMMs against numpy's sgemm at one rank's thread count, every rank at once
-    assert re.search(r"GEMMs C=30,000: [\d.]+ GFLOP/s summed over the 2 ranks of \S+ = \d+% "
+    assert re.search(r"GEMMs plain C=30,000: [\d.]+ GFLOP/s summed over the 2 ranks of \S+ = \d+% "
                      r"of numpy sgemm's [\d.]+ GFLOP/s summed over the same ranks \(T=1 each",
                      out), out[-3000:]
     per_rank = re.findall(r"GEMMs [\d.]+ GFLOP/s = \d+% of numpy sgemm [\d.]+ GFLOP/s "
@@ -53,7 +73,8 @@ def test_pfc_bench_runs_and_lists_every_benchmark_without_opencv_onnx_tensorboar
                "--batch-size", "4", "--embedding-size", "8", "--steps", "1", "--warmup", "0"],
               timeout=180)
     assert ran.returncode == 0, ran.stdout[-3000:]
-    assert re.search(r"rank 0  C=\s+1,000  sampled\s+50  step", ran.stdout), ran.stdout[-3000:]
+    assert re.search(r"rank 0  plain  C=\s+1,000  sampled rows\s+50  step", ran.stdout), \
+        ran.stdout[-3000:]
 
 
 def test_every_benchmark_module_is_listed_with_its_arguments_and_run():
@@ -90,13 +111,14 @@ def test_each_ranks_floor_is_its_bytes_at_its_own_bandwidth(capsys, monkeypatch)
     from partial_fc_mx.bench import pfc
 
     monkeypatch.setattr(pfc.dist, "device", lambda local_rank: "cpu(0)")
-    result = {"classes": 1000, "sampled": 100, "step_ms": 10.0, "gemm_gflops": 5.0,
-              "phases_ms": {"gemm": 1.0, "communication": 1.0}, "rss_mib": 1.0,
+    result = {"variant": "plain", "classes": 1000, "sampled": 100, "step_ms": 10.0,
+              "gemm_gflops": 5.0, "phases_ms": {"gemm": 1.0, "communication": 1.0}, "rss_mib": 1.0,
               "theory_mib": 1.0, "baseline_mib": 100.0, "traffic_bytes": 10**9,
               "startup_s": 1.0, "shard_gib": 1.0}
     everyone = [{"results": [result], "host": "a", "threads": 1, "numpy_gflops": 10.0,
                  "bandwidth_gbs": bandwidth} for bandwidth in (10.0, 20.0)]
-    args = SimpleNamespace(fp16_centers=False, batch_size=4, embedding_size=8)
+    args = SimpleNamespace(fp16_centers=False, batch_size=4, embedding_size=8,
+                           variants=["plain"])
     pfc.print_report(args, SimpleNamespace(size=2), everyone)
     out = capsys.readouterr().out
     assert re.findall(r"memory-traffic floor ([\d.]+) ms", out) == ["100.00", "50.00"]
@@ -145,7 +167,7 @@ def test_the_memory_traffic_floor_counts_logits_rows_states_and_gradient(weight,
 
     arrays = {"weight": [mx.nd.zeros((300, 16), dtype=weight)],  # one block each
               "mom": [mx.nd.zeros((300, 16), dtype=momentum)]}
-    pfc = SimpleNamespace(sampled_classes=np.arange(100), embedding_size=16,
+    pfc = SimpleNamespace(sampled_classes=np.arange(100), embedding_size=16, subcenters=1,
                           centers=SimpleNamespace(arrays=lambda: arrays))
     assert minimal_traffic(pfc, global_batch=16) == expected
 

@@ -117,6 +117,18 @@ def test_memory_estimate_counts_every_state():
     assert exact.centers == sgd.centers + 1000 * IdleSteps(1, 0.9, 5e-4).last.itemsize
 
 
+def test_memory_estimate_counts_sub_centers_and_the_filters_mask():
+    """K sub-centers: K times the rows and their states, K times the sampled rows and
+    their logits, and the classes' N x n logits beside them; the filter one N x n mask."""
+    plain = estimate_memory(1000, 512, 1, 0, 0.1, 64)
+    three = estimate_memory(1000, 512, 1, 0, 0.1, 64, subcenters=3)
+    filtered = estimate_memory(1000, 512, 1, 0, 0.1, 64, filtering=True)
+    assert three.centers == 3 * plain.centers and three.sampled_rows == 3 * plain.sampled_rows
+    n, batch = 100, 64
+    assert three.logits == (LOGIT_MATRICES * 3 * n + n) * batch * 4
+    assert filtered.logits == plain.logits + n * batch * 4
+
+
 @pytest.mark.parametrize("optimizer", [SGD(), AdamW()])
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_memory_estimate_covers_the_buffers_an_update_keeps(optimizer, dtype):

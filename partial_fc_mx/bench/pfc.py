@@ -6,6 +6,11 @@ centers.
         --classes 1000000 --sample-rate 0.1 --batch-size 128 --embedding-size 512
     horovodrun -np 2 -H localhost:2 python -m partial_fc_mx.bench pfc \\
         --classes 100000 2000000 --num-sample 25000
+    horovodrun -np 2 -H localhost:2 python -m partial_fc_mx.bench pfc \\
+        --classes 1000000 --batch-size 512 --variants plain filter sub3
+
+--variants times the step with the noisy-label options in the same run, each against
+the first: "filter" (inter-class filtering at 0.4), "sub3" (3 sub-centers per class).
 """
 
 from __future__ import annotations
@@ -44,6 +49,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how the rows not sampled take a step (config center_update; "
                         "the trainer's default for SGD is exact since 2026-11-25, this "
                         "benchmark's figures were recorded with lazy)")
+    parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=["plain"],
+                        help="steps to time one after the other in this run, each compared "
+                             "with the first (default: plain)")
+
+
+VARIANTS = {"plain": {}, "filter": {"interclass_filtering_threshold": 0.4},
+            "sub3": {"num_subcenters": 3}, "sub3-filter": {"num_subcenters": 3,
+                                                           "interclass_filtering_threshold": 0.4}}
+"""PartialFC's noisy-label settings by the names --variants takes."""
 
 
 def run(args: argparse.Namespace) -> None:
@@ -55,8 +69,10 @@ def run(args: argparse.Namespace) -> None:
                         "partial_fc_mx's CPU kernels")
     results = []
     for num_classes in sorted(args.classes):
-        results.append(bench_config(world, ctx, num_classes, args))
-        give_back_freed_memory()  # RSS above the baseline is this configuration's own
+        for variant in args.variants:
+            results.append({"variant": variant,
+                            **bench_config(world, ctx, num_classes, args, VARIANTS[variant])})
+            give_back_freed_memory()  # RSS above the baseline is this configuration's own
     threads = rank_threads()
     numpy_rate = numpy_sgemm_gflops(args.batch_size * world.size, results[-1]["sampled"],
                                     args.embedding_size, threads)
@@ -145,7 +161,7 @@ def minimal_traffic(pfc: PartialFC, global_batch: int) -> int:
     """Bytes one rank's step must move at least once: the N x n logits written and
     read (their gradient can take their buffer), and each sampled row with every
     optimizer state read and written, its float32 gradient written and read."""
-    n = len(pfc.sampled_classes)
+    n = len(pfc.sampled_classes) * pfc.subcenters
     return 2 * (global_batch * n * 4 + n * (row_bytes(pfc) + 4 * pfc.embedding_size))
 
 
@@ -155,8 +171,10 @@ def row_bytes(pfc: PartialFC) -> int:
                for blocks in pfc.centers.arrays().values())
 
 
-def bench_config(world: dist.World, ctx: mx.Context, num_classes: int, args) -> dict:
-    """Median step time, phase split and memory for one class count."""
+def bench_config(world: dist.World, ctx: mx.Context, num_classes: int, args,
+                 variant: dict) -> dict:
+    """Median step time, phase split and memory for one class count; `variant`: the
+    PartialFC settings that make it (VARIANTS)."""
     sample_rate = shapes.sample_rate(args, shard_of(num_classes, world.rank, world.size).count)
     rss_before = psutil.Process().memory_info().rss
     timer = PhaseTimer()
@@ -165,7 +183,7 @@ def bench_config(world: dist.World, ctx: mx.Context, num_classes: int, args) -> 
         pfc = PartialFC(num_classes, args.embedding_size, rank=world.rank,
                         world_size=world.size, ctx=ctx, sample_rate=sample_rate,
                         margin=(1.0, 0.5, 0.0), scale=64.0, fp16_centers=args.fp16_centers,
-                        center_update=args.center_update)
+                        center_update=args.center_update, **variant)
         mx.nd.waitall()
         startup_seconds = time.perf_counter() - start
         rng = np.random.default_rng(world.rank)
@@ -176,10 +194,11 @@ def bench_config(world: dist.World, ctx: mx.Context, num_classes: int, args) -> 
         pfc.timer = timer
         run_steps(pfc, x, labels, args.steps)
     global_batch = args.batch_size * world.size
-    n = len(pfc.sampled_classes)
+    n = len(pfc.sampled_classes) * pfc.subcenters  # sampled rows
     theory = estimate_memory(num_classes, args.embedding_size, world.size, world.rank,
                              sample_rate, global_batch, args.fp16_centers,
-                             center_update=args.center_update)
+                             center_update=args.center_update, subcenters=pfc.subcenters,
+                             filtering=pfc.filter_threshold > 0)
     seconds = {k: v / args.steps for k, v in timer.seconds.items()}
     return {
         "classes": num_classes, "sampled": n, "step_ms": 1e3 * statistics.median(plain),
@@ -193,7 +212,7 @@ def bench_config(world: dist.World, ctx: mx.Context, num_classes: int, args) -> 
 
 def shard_bytes(pfc: PartialFC) -> int:
     """The rows and optimizer states this rank keeps for the whole run."""
-    return pfc.shard.count * row_bytes(pfc)
+    return pfc.centers.shard.count * row_bytes(pfc)
 
 
 def run_steps(pfc: PartialFC, x: mx.nd.NDArray, labels: np.ndarray, count: int) -> list:
@@ -224,7 +243,8 @@ def print_report(args, world: dist.World, everyone: list[dict]) -> None:
         for r in results:
             phases = r["phases_ms"]
             compute = ", ".join(f"{k} {v:.1f}" for k, v in phases.items() if k != "communication")
-            print(f"rank {rank}  C={r['classes']:>9,}  sampled {r['sampled']:>7,}  "
+            print(f"rank {rank}  {r['variant']}  C={r['classes']:>9,}  sampled rows "
+                  f"{r['sampled']:>7,}  "
                   f"step {r['step_ms']:7.1f} ms  = compute ({compute}) + communication "
                   f"{phases['communication']:.1f}")
             floor_ms = 1e3 * r["traffic_bytes"] / (bandwidth * 1e9)
@@ -242,10 +262,15 @@ def print_report(args, world: dist.World, everyone: list[dict]) -> None:
                   "of a process with MXNet and Horovod loaded)")
             print(f"        start-up {r['startup_s']:.1f} s for a {r['shard_gib']:.2f} GiB shard "
                   f"(rows and states) = {r['startup_s'] / r['shard_gib']:.1f} s/GiB")
-        if len(results) > 1:
-            print(f"rank {rank}  step time C={results[-1]['classes']:,} / "
-                  f"C={results[0]['classes']:,} at the same sample size: "
-                  f"{results[-1]['step_ms'] / results[0]['step_ms']:.3f}")
+        plain = [r for r in results if r["variant"] == args.variants[0]]
+        if len(plain) > 1:
+            print(f"rank {rank}  step time C={plain[-1]['classes']:,} / "
+                  f"C={plain[0]['classes']:,} at the same sample size: "
+                  f"{plain[-1]['step_ms'] / plain[0]['step_ms']:.3f}")
+        for base in plain:
+            for r in results:
+                if r["classes"] == base["classes"] and r is not base:
+                    print(variant_line(rank, r, base))
     if any(mine["numpy_gflops"] is None for mine in everyone):
         print("numpy sgemm not compared: numpy's BLAS thread count cannot be set here (no "
               "OpenBLAS of numpy's own is loaded), so no measurement with a rank's threads")
@@ -253,7 +278,8 @@ def print_report(args, world: dist.World, everyone: list[dict]) -> None:
         threads = sorted({everyone[rank]["threads"] for rank in ranks})
         for i, r in enumerate(everyone[ranks[0]]["results"]):
             host_rate = sum(everyone[rank]["results"][i]["gemm_gflops"] for rank in ranks)
-            line = (f"GEMMs C={r['classes']:,}: {host_rate:.1f} GFLOP/s summed over the "
+            line = (f"GEMMs {r['variant']} C={r['classes']:,}: {host_rate:.1f} GFLOP/s summed "
+                    f"over the "
                     f"{len(ranks)} ranks of {host}")
             if all(everyone[rank]["numpy_gflops"] for rank in ranks):
                 reference = sum(everyone[rank]["numpy_gflops"] for rank in ranks)
@@ -261,6 +287,19 @@ def print_report(args, world: dist.World, everyone: list[dict]) -> None:
                          f"{reference:.1f} GFLOP/s summed over the same ranks (T="
                          f"{'/'.join(map(str, threads))} each, all at once)")
             print(line)
+
+
+def variant_line(rank: int, r: dict, base: dict) -> str:
+    """A variant's step against the first one's at the same class count: its ratio, and
+    the ratio its GEMMs alone would give (the first's step with the GEMM phase grown to
+    the variant's sampled rows)."""
+    gemm = base["phases_ms"]["gemm"]
+    gemms_only = (base["step_ms"] + gemm * (r["sampled"] / base["sampled"] - 1)) / base["step_ms"]
+    return (f"rank {rank}  C={r['classes']:,}: {r['variant']} step = "
+            f"{r['step_ms'] / base['step_ms']:.3f}x {base['variant']}'s "
+            f"({r['step_ms']:.1f} / {base['step_ms']:.1f} ms); its GEMMs' growth alone "
+            f"({r['sampled'] / base['sampled']:.1f}x the rows) would make it "
+            f"{gemms_only:.3f}x")
 
 
 def ranks_by_host(everyone: list[dict]) -> dict[str, list[int]]:

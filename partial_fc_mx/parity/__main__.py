@@ -46,6 +46,9 @@ class Arm:
     """"ours" or "arcface_torch"."""
     changes: dict
     """Recipe fields this arm sets (recipe.py)."""
+    cleaned_from: str | None = None
+    """An arm of sub-centers whose run cleans the task first (cleaned.py): this arm
+    trains on what that run's model keeps."""
 
     @property
     def power(self) -> float:
@@ -73,7 +76,8 @@ ARMS = {"ours-exact": ours(center_update="exact"), "ours-lazy": ours(center_upda
         "ours-exact-prelu-kernel": ours(center_update="exact", prelu="kernel"),
         "ours-filter": ours(center_update="exact", interclass_filtering_threshold=0.4),
         "ours-sub3": ours(center_update="exact", num_subcenters=3),
-        "arcface_torch-filter": anchor(interclass_filtering_threshold=0.4)}
+        "arcface_torch-filter": anchor(interclass_filtering_threshold=0.4),
+        "ours-sub3-clean": Arm("ours", {"center_update": "exact"}, cleaned_from="ours-sub3")}
 """arcface_torch's SGD updates every centre each step (dense). Three differences of its
 train_v2.py have an arm of their own: it decays the rate with power 1, ours with 2
 (config lr_power), so the study trains both toolkits with 2, and both with 1 in the
@@ -86,7 +90,9 @@ scale task's PReLU with the trainer's CPU kernel, where the other arms of ours h
 MXNet's LeakyReLU (recipe.py's `prelu`); on the images task, where every arm of ours
 has the kernel, it is ours-exact. The noisy-label study's (--noise; docs/noisy_labels.md):
 ours-filter and arcface_torch-filter filter at arcface_torch's own threshold, 0.4 (not
-tuned: no split of the data chose it), ours-sub3 trains 3 sub-centers per class."""
+tuned: no split of the data chose it), ours-sub3 trains 3 sub-centers per class, and
+ours-sub3-clean trains plain on what ours-sub3's model keeps within 75 degrees of each
+class's dominant sub-center (the paper's angle, not tuned either)."""
 NOISY_BASELINE = "arcface_torch-filter"
 """What the noisy-label arms of ours are compared with: the anchor's best recipe."""
 
@@ -189,6 +195,27 @@ def run_arm(arm: Arm, recipe: Recipe, args: argparse.Namespace) -> Result | None
     return Result(recipe.seed, scored(recipe), log["minutes"], log["ms_per_step"])
 
 
+def arm_folder(work: Path, task: Path, name: str, rate: float,
+               args: argparse.Namespace) -> Path:
+    processes = "" if args.np == 2 else f"-np{args.np}"
+    return work / task.name / f"{name}-r{rate:g}{processes}"
+
+
+def task_of_arm(arm: Arm, task: Path, work: Path, rate: float, seed: int,
+                args: argparse.Namespace) -> Path:
+    """The task's folder, or for a cleaning arm its cleaned copy (its sub-center arm
+    trained first where it has not been; with --report, the copy if it was made)."""
+    if arm.cleaned_from is None:
+        return task
+    source = ARMS[arm.cleaned_from]
+    folder = arm_folder(work, task, arm.cleaned_from, rate, args)
+    if run_arm(source, arm_recipe(source, Recipe(task, folder), seed, rate, args), args) is None:
+        return task.with_name(f"{task.name}-cleaned-{folder.name}-not-run")
+    from .cleaned import cleaned_task  # MXNet's environment: this process has it
+
+    return cleaned_task(task, folder)
+
+
 def begin_or_go_on(recipe: Recipe) -> None:
     """Empty the run's folder, unless it holds an interrupted run of the same recipe
     (its recipe.json, written here before the run starts): that is kept for the arm to
@@ -247,7 +274,8 @@ def baseline_of(name: str) -> str | None:
     """The arm `name` is compared with: ours with arcface_torch at the same power; an
     arcface_torch diagnostic with arcface_torch itself."""
     arm = ARMS[name]
-    noisy = "interclass_filtering_threshold" in arm.changes or "num_subcenters" in arm.changes
+    noisy = ("interclass_filtering_threshold" in arm.changes or "num_subcenters" in arm.changes
+             or arm.cleaned_from)
     if arm.toolkit == "ours" and noisy:
         return NOISY_BASELINE
     if arm.toolkit == "ours":
@@ -365,12 +393,10 @@ def main(argv: list[str] | None = None) -> int:
                                           args.noise), work / "data")
                 for name in args.arms:
                     arm = ARMS[name]
-                    processes = "" if args.np == 2 else f"-np{args.np}"
-                    recipe = arm_recipe(arm, Recipe(task, work / task.name
-                                                    / f"{name}-r{rate:g}{processes}"),
-                                        seed, rate, args)
                     started = time.perf_counter()
-                    result = run_arm(arm, recipe, args)
+                    result = run_arm(arm, arm_recipe(arm, Recipe(
+                        task_of_arm(arm, task, work, rate, seed, args),
+                        arm_folder(work, task, name, rate, args)), seed, rate, args), args)
                     if result is None:
                         print(f"C={classes} r={rate:g} seed {seed} {name}: not run yet")
                         continue

@@ -151,10 +151,26 @@ def train(recipe: Recipe, watch: Callable[[ClassCenters], None] | None = None) -
                         "losses": losses, "seconds": seconds, "resumed_at":
                         progress["resumed_at"], "wall": time.perf_counter() - started},
                         trained)
+    if recipe.num_subcenters > 1:  # what the study's cleaning reads (parity/cleaned.py)
+        save_for_cleaning(recipe, net, pfc, x, world, ctx)
     if world.is_main:
         write_log(recipe, "ours", losses, seconds, time.perf_counter() - started, total,
                   resumed_at=progress["resumed_at"])
         resume.clear(recipe.out)
+
+
+def save_for_cleaning(recipe: Recipe, net, pfc, train_x: np.ndarray, world: dist.World,
+                      ctx: mx.Context) -> None:
+    """The trained model's embeddings of the training samples and every rank's
+    sub-centers (C K x D, class by class), as rank 0's .npy files beside the log."""
+    shards = dist.allgather_object(pfc.centers.state_dict()["weight"], name="parity.centers")
+    if world.is_main:
+        np.save(recipe.out / CLEANING_FILES[0], embed(net, train_x, 4096, ctx))
+        np.save(recipe.out / CLEANING_FILES[1], np.concatenate(shards))
+
+
+CLEANING_FILES = ("train_embeddings.npy", "subcenters.npy")
+"""What a sub-center arm leaves for the cleaning arm (parity/cleaned.py)."""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -76,7 +76,8 @@ def partial_fc_memory(config: Config, world_size: int, rank: int) -> PartialFCMe
     return estimate_memory(
         config.num_classes, config.embedding_size, world_size, rank, config.sample_rate,
         config.batch_size * world_size, config.fp16_centers, config.centers_optimizer(),
-        config.center_update_mode())
+        config.center_update_mode(), config.num_subcenters,
+        config.interclass_filtering_threshold > 0)
 
 
 def backbone_memory(config: Config, dtype: str) -> BackboneMemory:

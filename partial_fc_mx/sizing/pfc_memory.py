@@ -60,16 +60,24 @@ def estimate_memory(
     fp16_centers: bool = False,
     optimizer: CenterOptimizer | None = None,
     center_update: str = "lazy",
+    subcenters: int = 1,
+    filtering: bool = False,
 ) -> PartialFCMemory:
     """`optimizer`: the centers' (default: SGD with momentum, one state as wide as a row);
-    `center_update` as PartialFC's ("exact" keeps a step count per row)."""
+    `center_update` as PartialFC's ("exact" keeps a step count per row); `subcenters`:
+    rows per class (K times the rows, the sampled rows and the logits, and an N x n
+    matrix of the classes' logits beside them); `filtering`: the inter-class filter,
+    whose MXNet-operator path (a GPU's) keeps an N x n mask (the CPU's kernel none:
+    counted anyway)."""
     optimizer = optimizer or SGD()
-    rows = shard_of(num_classes, rank, world_size).count
+    classes = shard_of(num_classes, rank, world_size).count
+    rows = classes * subcenters
     dtype = center_dtype(fp16_centers)
     states = optimizer.states(embedding_size, dtype).values()
     state_bytes = sum(width * np.dtype(state_dtype).itemsize for width, state_dtype in states)
     state_bytes += STEP_BYTES * (center_update == "exact")
-    sampled = sampled_per_step(rows, sample_rate, global_batch)
+    sampled_classes = sampled_per_step(classes, sample_rate, global_batch)
+    sampled = sampled_classes * subcenters
     fp32 = 4
     # float32 work copies of the sampled rows, their scaled copy (v in partial_fc.py),
     # their gradient and states, and the buffers the rows stored in another dtype are
@@ -81,5 +89,7 @@ def estimate_memory(
     joined = embedding_size * fp32 * (rows > rows_per_block(embedding_size))
     sampled_rows = sampled * ((3 * embedding_size + sum(width for width, _ in states)) * fp32
                               + gathered + joined)
+    class_matrices = (subcenters > 1) + filtering
     return PartialFCMemory(rows * embedding_size * np.dtype(dtype).itemsize, rows * state_bytes,
-                          sampled_rows, LOGIT_MATRICES * global_batch * sampled * fp32)
+                          sampled_rows, (LOGIT_MATRICES * sampled + class_matrices
+                                         * sampled_classes) * global_batch * fp32)
