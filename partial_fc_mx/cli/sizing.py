@@ -44,6 +44,8 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     plan.add_argument("--fp16-centers", action=argparse.BooleanOptionalAction,
                       help="the class centers (and SGD's momentum) in float16")
     plan.add_argument("--center-optimizer", help="sgd or adamw")
+    plan.add_argument("--num-subcenters", type=int,
+                      help="sub-center ArcFace's centers per class (K times the rows)")
     plan.add_argument("--optimizer", help="the backbone's: sgd or adamw")
     plan.add_argument("--gpus", "--processes", type=int, dest="world_size",
                       help="how many (default: the fewest the run fits on)")
@@ -77,7 +79,7 @@ def model_command(args: argparse.Namespace) -> int:
 
 
 PLAN_KEYS = ("num_classes", "embedding_size", "sample_rate", "batch_size", "network", "fp16",
-             "fp16_centers", "center_optimizer", "optimizer")
+             "fp16_centers", "center_optimizer", "optimizer", "num_subcenters")
 
 
 def plan_command(args: argparse.Namespace) -> int:

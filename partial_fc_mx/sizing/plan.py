@@ -53,7 +53,8 @@ class Plan:
     """Rank 0's, from memory.py (the preflight's estimate)."""
     shard_rows: int
     sampled: int
-    """Centers rank 0 scores per step (more than the sample when the positives are)."""
+    """Center rows rank 0 scores per step (more than the sample when the positives are;
+    with sub-centers, every row of each sampled class)."""
     collectives: list[Collective]
     backbone_macs: int
     """Multiply-adds of one image through the backbone (`model`'s count)."""
@@ -133,7 +134,8 @@ def make_plan(config: Config, world_size: int | None, *, gpu_memory: float | Non
     size = world_size or smallest or 1
     need = RunMemory(backbone, partial_fc_memory(config, size, 0))
     rows = shard_of(config.num_classes, 0, size).count
-    sampled = sampled_per_step(rows, config.sample_rate, config.batch_size * size)
+    sampled = sampled_per_step(rows, config.sample_rate, config.batch_size * size) * \
+        config.num_subcenters
     return Plan(
         config, size, device, available(size), need, rows, sampled,
         collectives(config, size, backbone.gradients), backbone_macs(config),
@@ -204,6 +206,8 @@ def format_plan(plan: Plan) -> str:
                           "natively, else float32; planned in float32, the larger)")
     where = (f"{size} GPU(s) of {plan.available / GiB:.1f} GiB" if plan.device == "gpu"
              else f"{size} process(es) sharing a host, {plan.available / GiB:.1f} GiB each")
+    subcenters = (f" of {config.num_subcenters} sub-centers each"
+                  if config.num_subcenters > 1 else "")
     lines = [
         f"{config.network} ({plan.parameters / 1e6:.1f} M parameters, backbone in "
         f"{backbone_bits}, {config.optimizer} optimizer), batch {config.batch_size} per rank "
@@ -211,8 +215,9 @@ def format_plan(plan: Plan) -> str:
         f"{config.embedding_size}, sample_rate {config.sample_rate:g}, "
         f"{center_dtype(config.fp16_centers)} centers, {config.center_optimizer} for the "
         f"centers; on {where}",
-        f"memory of rank 0 (the largest shard: {plan.shard_rows:,} classes; it scores "
-        f"{plan.sampled:,} per step), the preflight's estimate (memory.py):",
+        f"memory of rank 0 (the largest shard: {plan.shard_rows:,} classes"
+        f"{subcenters}; it scores {plan.sampled:,} rows per step), the preflight's estimate "
+        "(memory.py):",
     ]
     lines += [f"  {name:<28}{size_text(bytes_)}" for name, bytes_ in plan.parts().items()]
     total = plan.memory.total
