@@ -15,6 +15,7 @@ from typing import TypeVar
 
 import horovod.mxnet as hvd
 import mxnet as mx
+import numpy as np
 
 from .errors import UserError
 from .hardware import gpu_support
@@ -200,10 +201,11 @@ def barrier(name: str) -> None:
     hvd.allreduce(mx.nd.zeros(1), name=f"barrier.{name}").wait_to_read()
 
 
-def sum_over_ranks(values: list[float], name: str) -> list[float]:
-    """Element-wise sums of every rank's `values` (a few flags or counts)."""
+def sum_over_ranks(values, name: str) -> np.ndarray:
+    """Element-wise sums of every rank's `values` (flags, counts: a list or an array of
+    any shape), in float64 (exact for counts up to 2^53)."""
     total = hvd.allreduce(mx.nd.array(values, dtype="float64"), op=hvd.Sum, name=name)
-    return total.asnumpy().tolist()
+    return total.asnumpy()
 
 
 def any_rank(flag: bool, name: str) -> bool:

@@ -123,6 +123,33 @@ def test_a_clean_of_another_dataset_or_a_run_without_centers_is_refused(planted,
         stale.stdout
 
 
+def test_an_undecodable_image_is_dropped_and_counted_and_the_input_is_never_the_output(
+        planted, tmp_path):
+    """An image whose bytes no decoder reads (in place: train.idx, and with it the
+    dataset's fingerprint, unchanged) is not scored: dropped and counted. OUT may not be
+    the dataset, the work dir, or a folder holding another dataset."""
+    data = tmp_path / "data"
+    subprocess.run(["cp", "-r", str(planted["data"]), str(data)], check=True)
+    dataset = RecordDataset(data)
+    record_id = int(dataset.image_ids[7])
+    offset, size = dataset.records.offsets[record_id], len(dataset.records.read_bytes(record_id))
+    with open(data / "train.rec", "r+b") as rec:  # the image after the 24-byte IRHeader
+        rec.seek(offset + 8 + 24)
+        rec.write(b"\0" * (size - 24))
+    cleaned = run(clean_args(planted["work"], tmp_path / "out", data), timeout=300)
+    assert cleaned.returncode == 0, cleaned.stdout[-3000:]
+    report = json.loads((tmp_path / "out/clean_report.json").read_text())
+    assert report["images_not_scored"] == 1
+    assert sum(report["angle_histogram"].values()) == report["images"] - 1
+    for out, what in ((data, f"OUT {data} is {data}, an input"),
+                      (planted["work"], f"OUT {planted['work']} is {planted['work']}"),
+                      (planted["root"] / "clean", "holds a dataset (train.rec) that no "
+                                                  "cleaning wrote")):
+        refused = run(clean_args(planted["work"], out, data), timeout=300)
+        assert refused.returncode == 2 and what in refused.stdout, refused.stdout[-2000:]
+    assert (data / "train.rec").stat().st_size == (planted["data"] / "train.rec").stat().st_size
+
+
 def test_one_center_per_class_is_its_one_sub_center(planted, tmp_path):
     """A K = 1 run: the class center is each class's sub-center, and the report says so."""
     config = config_file(tmp_path, planted["data"], num_classes=CLASSES, max_steps=3)

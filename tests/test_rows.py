@@ -18,7 +18,7 @@ from conftest import REPO, run
 
 from partial_fc_mx.pfc import kernels
 from partial_fc_mx.pfc.buffers import Buffers
-from partial_fc_mx.pfc.rows import ComposedRows, FusedRows
+from partial_fc_mx.pfc.rows import ComposedRows, FusedRows, InterclassFilter
 
 IMPLEMENTATIONS = {
     "fused": lambda: FusedRows(threads=1),
@@ -389,3 +389,65 @@ def test_no_home_folder_is_a_build_error_that_names_the_setting(monkeypatch):
     monkeypatch.setattr(kernels.Path, "home", homeless)
     with pytest.raises(kernels.KernelBuildError, match="home directory.*PARTIAL_FC_MX_KERNELS"):
         kernels.build(kernels.mxnet_folder())
+
+
+@pytest.mark.parametrize("name", IMPLEMENTATIONS)
+@pytest.mark.parametrize("k, classes", [(2, 1), (3, 257), (4, 33), (16, 5), (3, 1000)])
+def test_the_sub_center_max_and_its_way_back_match_numpy(name, k, classes):
+    """Each class's logit the max of its k consecutive entries (a NaN kept), then each
+    class's probability to its first entry of the largest logit and 0 to the others;
+    class counts across the kernel's blocks of 256 and vector widths."""
+    rng = np.random.default_rng(k * classes)
+    sub = (rng.standard_normal((7, classes * k)) * 10).astype(np.float32)
+    sub[0, :k] = 1.0  # a tie: the first entry takes it
+    if classes > 1:
+        sub[1, k] = np.nan  # the second class of row 1: NaN
+    implementation = IMPLEMENTATIONS[name]()
+    out = mx.nd.full((7, classes + 1), -5.0)
+    implementation.subcenter_max(mx.nd.array(sub), k, out)
+    got = out.asnumpy()
+    with np.errstate(invalid="ignore"):
+        expected = sub.reshape(7, classes, k).max(axis=2)
+    if classes > 1:
+        expected[1, 1] = np.nan
+    np.testing.assert_array_equal(got[:, :classes], expected)
+    assert (got[:, classes] == -5.0).all()  # the spare column is the softmax's to set
+    prob = rng.random((7, classes + 1)).astype(np.float32)
+    finite = np.nan_to_num(sub, nan=-np.inf)
+    array = mx.nd.array(finite)
+    implementation.subcenter_scatter(array, mx.nd.array(prob), k)
+    best = finite.reshape(7, classes, k).argmax(axis=2)  # numpy's: the first of a tie
+    want = np.zeros((7, classes, k), np.float32)
+    np.put_along_axis(want, best[..., None], prob[:, :classes, None], 2)
+    np.testing.assert_array_equal(array.asnumpy(), want.reshape(7, -1))
+
+
+@pytest.mark.parametrize("name", IMPLEMENTATIONS)
+def test_the_filtered_softmax_leaves_out_what_is_above_the_threshold_but_the_target(name):
+    """Entries above the threshold count as 0 in the max and the exp-sum and take
+    probability 0; a row's target never, whatever its logit; the spare column as in
+    the plain softmax; each row's count of filtered entries; a NaN stays in."""
+    rng = np.random.default_rng(4)
+    logits = (rng.standard_normal((6, 41)) * 20).astype(np.float32)
+    target = np.array([3, -1, 40 - 1, 0, -1, 7])
+    logits[0, 3] = 50.0  # a target far above the threshold
+    logits[4, 5] = np.nan
+    rows = np.flatnonzero(target >= 0)
+    where = mx.nd.array(np.stack([rows, target[rows]]), dtype="int64")
+    interclass = InterclassFilter(8.0, mx.nd.array(target, dtype="int64"), where)
+    array = mx.nd.array(logits)
+    row_max, filtered = IMPLEMENTATIONS[name]().filtered_softmax_with_spare(array, interclass)
+    x = logits[:, :-1].astype(np.float64)
+    dirty = x > 8.0
+    dirty[rows, target[rows]] = False
+    kept = np.where(dirty, 0.0, x)
+    expected, expected_max = softmax_with_spare_reference(
+        np.concatenate([kept, logits[:, -1:]], 1))
+    expected[:, :-1][dirty] = 0
+    finite = np.arange(6) != 4
+    np.testing.assert_allclose(array.asnumpy()[finite], expected[finite], rtol=1e-6, atol=1e-12)
+    np.testing.assert_array_equal(row_max.asnumpy()[finite], expected_max[finite])
+    assert filtered.asnumpy().tolist() == dirty.sum(1).tolist()
+    assert array.asnumpy()[0, 3] == array.asnumpy()[0, -1] > 0.49  # the target is the max
+    with np.errstate(divide="ignore", invalid="ignore"):  # MXNet's is 0, the kernel's NaN
+        assert not np.isfinite(1 / array.asnumpy()[4, -1])  # the NaN row's exp-sum

@@ -20,6 +20,7 @@ dataset's size; the angle applies after the counting, so OUT/.chunks/ serves ano
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from collections.abc import Iterator
@@ -33,7 +34,7 @@ from .. import dist, durable
 from ..data import DataError
 from ..data.joined import JoinedDataset
 from ..data.network_input import to_network_input
-from ..data.recordio import RecordDataset
+from ..data.recordio import RecordDataset, valid_class_ids
 from ..data.transforms import decode_face
 from ..errors import UserError
 from ..evaluation.verification import flip_sum, mxnet_forward
@@ -47,7 +48,8 @@ CHUNKS = ".chunks"
 PLAN = "plan.json"
 REPORT, LABELS = "clean_report.json", "labels.txt"
 DEFAULT_CHUNK = 50_000
-"""Images per chunk: 100 MB of 512-d embeddings, a chunk file of 1.4 MB (K = 3)."""
+"""Images per chunk: at K = 3 and 512-d about 0.8 GB of a rank's memory (the
+embeddings, their unit copies, each sample's class's sub-centers), a file of 1.4 MB."""
 
 
 class CleanError(UserError, ValueError):
@@ -66,34 +68,34 @@ class Trained:
 
 
 def clean(work_dir: Path, out: Path, rec: str | list[str], angle: float = dominant.DEFAULT_ANGLE,
-          chunk: int = DEFAULT_CHUNK, batch_size: int = 128, gpu: int | None = None) -> dict:
-    """The whole command on every rank; rank 0's report (None elsewhere)."""
+          chunk: int = DEFAULT_CHUNK, batch_size: int = 128, gpu: bool = False) -> dict:
+    """The whole command on every rank; rank 0's report (None elsewhere). `gpu`: each
+    rank embeds on its own GPU (its local rank's)."""
+    # rank 0 alone writes the kept records, for hours at WebFace42M's size, while the
+    # others wait in the next collective: not a stall to warn about (or end the job for)
+    os.environ.setdefault("HOROVOD_STALL_CHECK_DISABLE", "1")
     world = dist.init()
     trained = dist.run_agreed(lambda: read_run(work_dir, world), "clean.run", (UserError,),
                               CleanError, f"cannot read the run in {work_dir}")
-    dataset = dist.run_agreed(lambda: open_trained_dataset(rec, trained), "clean.data",
-                              (UserError,), CleanError, f"cannot open {rec}")
+    dataset = dist.run_agreed(lambda: open_trained_dataset(rec, trained, out, work_dir),
+                              "clean.data", (UserError,), CleanError, f"cannot open {rec}")
     chunks = plan_chunks(len(dataset), chunk)
-    folder = out / CHUNKS
-    dist.run_agreed(lambda: start_plan(folder, plan_of(trained, dataset, chunk)),
-                    "clean.plan", (UserError,), CleanError, f"cannot prepare {folder}",
-                    on=world.is_main)
-    dist.barrier("clean.planned")
-    ctx = mx.cpu() if gpu is None else mx.gpu(gpu)
+    folder, plan = out / CHUNKS, plan_of(trained, dataset, chunk)
+    dist.run_agreed(lambda: start_plan(folder, plan), "clean.plan", (UserError,), CleanError,
+                    f"cannot prepare {folder}", on=world.is_main)
+    dist.run_agreed(lambda: see_plan(folder, plan), "clean.shared", (UserError,), CleanError,
+                    f"cannot read {folder}")
+    ctx = mx.gpu(world.local_rank) if gpu else mx.cpu()
     mine = [c for c in range(len(chunks)) if c % world.size == world.rank]
-    dist.run_agreed(lambda: embed_chunks(work_dir, trained, dataset, chunks, mine, folder,
-                                         ctx, batch_size),
-                    "clean.embed", (UserError,), CleanError, "embedding the dataset failed")
-    counts = np.zeros((trained.meta["num_classes"], trained.subcenters), np.int64)
-    for c in mine:
-        part = read_chunk(folder, c)
-        counts += dominant.pick_counts(part["labels"], part["cosines"], len(counts))
-    counts = summed_over_ranks(counts)
-    report = dist.run_agreed(lambda: write_kept(out, folder, dataset, chunks, counts, angle,
-                                                trained),
-                             "clean.write", (UserError,), CleanError, f"cannot write {out}",
-                             on=world.is_main)
-    return report
+    counts = dist.run_agreed(lambda: embed_and_count(work_dir, trained, dataset, chunks, mine,
+                                                     folder, ctx, batch_size),
+                             "clean.embed", (UserError,), CleanError,
+                             "embedding the dataset failed")
+    counts = dist.sum_over_ranks(counts, name="clean.counts").astype(np.int64)
+    return dist.run_agreed(lambda: write_kept(out, folder, dataset, chunks, counts, angle,
+                                              trained),
+                           "clean.write", (UserError,), CleanError, f"cannot write {out}",
+                           on=world.is_main)
 
 
 # ----- the run and its dataset -----
@@ -106,6 +108,10 @@ def read_run(work_dir: Path, world: dist.World) -> Trained:
         raise CleanError(f"{path} holds an imported backbone only, no class centers: train "
                          "on the dataset first, then clean with that run's work dir")
     saved = backbone_step(work_dir)
+    if saved is None:
+        raise CleanError(f"{Path(work_dir) / 'backbone.json'} is missing or unreadable: give "
+                         "the run's work dir (the folder holding checkpoints/ and "
+                         "backbone-symbol.json), not a checkpoint folder")
     if saved != meta["step"]:
         raise CleanError(f"{work_dir}'s backbone-symbol.json/-0000.params are of step {saved}, "
                          f"its newest checkpoint {path} of step {meta['step']}: the cleaning "
@@ -125,9 +131,11 @@ def backbone_step(work_dir: Path) -> int | None:
         return None
 
 
-def open_trained_dataset(rec: str | list[str], trained: Trained):
-    """The dataset, if it is the one the run trained on: its classes, and where the
-    checkpoint recorded them, its images and train.idx fingerprints."""
+def open_trained_dataset(rec: str | list[str], trained: Trained, out: Path, work_dir: Path):
+    """The dataset, if it is the one the run trained on (its classes, and where the
+    checkpoint recorded them, its images and train.idx fingerprints) and OUT is a
+    folder of its own."""
+    refuse_out(out, [*(rec if isinstance(rec, list) else [rec]), work_dir])
     dataset = JoinedDataset(rec) if isinstance(rec, list) else RecordDataset(rec)
     meta, name = trained.meta, " + ".join(rec) if isinstance(rec, list) else rec
     recorded = meta.get("dataset")
@@ -140,6 +148,18 @@ def open_trained_dataset(rec: str | list[str], trained: Trained):
                          f"{what}{' with other train.idx files' if recorded else ''}: give "
                          "the dataset (or the `rec` list, in its order) the run trained on")
     return dataset
+
+
+def refuse_out(out: Path, inputs: list) -> None:
+    """OUT must not be an input (the dataset would be replaced by its cleaned copy) nor
+    hold a dataset that is not an earlier cleaning's (it would be overwritten)."""
+    for path in map(Path, inputs):
+        if out.exists() and path.exists() and os.path.samefile(out, path):
+            raise CleanError(f"OUT {out} is {path}, an input of the cleaning: write the "
+                             "cleaned dataset to a folder of its own")
+    if (out / "train.rec").exists() and not (out / REPORT).exists():
+        raise CleanError(f"{out} holds a dataset (train.rec) that no cleaning wrote: give "
+                         "an empty or new folder for the cleaned dataset")
 
 
 # ----- chunks -----
@@ -165,6 +185,19 @@ def start_plan(folder: Path, plan: dict) -> None:
     durable.write_atomically(path, lambda p: p.write_text(json.dumps(plan)))
 
 
+def see_plan(folder: Path, plan: dict) -> None:
+    """Every rank sees rank 0's plan: OUT must be on a file system all ranks share."""
+    path = folder / PLAN
+    try:
+        seen = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise CleanError(f"{path} (written by rank 0) cannot be read here ({error}): OUT "
+                         "must be a folder every host sees (a shared file system)") from error
+    if seen != plan:
+        raise CleanError(f"{path} describes another cleaning than this rank's: every rank "
+                         "must see the same work dir, dataset and OUT")
+
+
 def chunk_file(folder: Path, c: int) -> Path:
     return folder / f"chunk_{c:06d}.npz"
 
@@ -174,24 +207,30 @@ def read_chunk(folder: Path, c: int) -> dict:
         return {name: data[name] for name in data.files}
 
 
-def embed_chunks(work_dir: Path, trained: Trained, dataset, chunks: list[range],
-                 mine: list[int], folder: Path, ctx: mx.Context, batch_size: int) -> None:
+def embed_and_count(work_dir: Path, trained: Trained, dataset, chunks: list[range],
+                    mine: list[int], folder: Path, ctx: mx.Context, batch_size: int
+                    ) -> np.ndarray:
     """Each of this rank's chunks not done yet, embedded and compared with its classes'
-    sub-centers, written atomically."""
+    sub-centers, written atomically; then how often each sub-center is the nearest
+    over all of this rank's chunks (num_classes x K)."""
     todo = [c for c in mine if not chunk_file(folder, c).is_file()]
-    if not todo:
-        return
-    forward = mxnet_forward(load_backbone(work_dir, ctx), ctx)
-    centers = SubcenterRows(trained)
-    for c in todo:
-        labels, embeddings = embed_positions(dataset, chunks[c], forward, batch_size)
-        cosines = dominant.own_class_cosines(embeddings, labels, centers.of(labels))
-        positions = np.arange(chunks[c].start, chunks[c].stop)
+    if todo:
+        forward = mxnet_forward(load_backbone(work_dir, ctx), ctx)
+        centers = CheckpointSubcenters(trained)
+        for c in todo:
+            labels, embeddings = embed_positions(dataset, chunks[c], forward, batch_size)
+            cosines = dominant.own_class_cosines(embeddings, labels, centers.of(labels))
+            positions = np.arange(chunks[c].start, chunks[c].stop)
 
-        def write(path: Path, labels=labels, cosines=cosines, positions=positions) -> None:
-            with open(path, "wb") as f:
-                np.savez(f, positions=positions, labels=labels, cosines=cosines)
-        durable.write_atomically(chunk_file(folder, c), write)
+            def write(path: Path, labels=labels, cosines=cosines, positions=positions) -> None:
+                with open(path, "wb") as f:
+                    np.savez(f, positions=positions, labels=labels, cosines=cosines)
+            durable.write_atomically(chunk_file(folder, c), write)
+    counts = np.zeros((trained.meta["num_classes"], trained.subcenters), np.int64)
+    for c in mine:
+        part = read_chunk(folder, c)
+        counts += dominant.pick_counts(part["labels"], part["cosines"], len(counts))
+    return counts
 
 
 def embed_positions(dataset, positions: range, forward, batch_size: int) -> tuple:
@@ -200,20 +239,30 @@ def embed_positions(dataset, positions: range, forward, batch_size: int) -> tupl
     ids = dataset.record_ids(np.arange(positions.start, positions.stop))
     labels, embeddings = np.empty(len(ids), np.int64), []
     for low in range(0, len(ids), batch_size):
-        faces = []
+        faces, undecodable = [], []
         for i, record_id in enumerate(ids[low:low + batch_size], start=low):
             record = dataset.records.read(int(record_id))
+            labels[i] = class_of(record, dataset, trained_classes=dataset.num_classes)
             face, _ = decode_face(record.image)
-            if face is None:
-                raise DataError(f"{dataset.records.where(int(record_id))} is not a decodable "
-                                "image: re-pack the dataset, or drop the record")
-            labels[i] = int(record.label)
-            faces.append(face)
-        embeddings.append(flip_sum(forward, to_network_input(np.stack(faces))))
+            undecodable.append(face is None)
+            faces.append(np.zeros((112, 112, 3), np.uint8) if face is None else face)
+        batch = flip_sum(forward, to_network_input(np.stack(faces)))
+        batch[np.array(undecodable)] = np.nan  # not scored: dropped, counted in the report
+        embeddings.append(batch)
     return labels, np.concatenate(embeddings)
 
 
-class SubcenterRows:
+def class_of(record, dataset, trained_classes: int) -> int:
+    """A record's class id, or a DataError naming it (a label the run cannot have
+    trained on)."""
+    label = record.label
+    if not valid_class_ids([label], trained_classes)[0]:
+        raise DataError(f"{dataset.records.where(record.record_id)} has label {label}, not a "
+                        f"class id in [0, {trained_classes}): re-pack the dataset")
+    return int(label)
+
+
+class CheckpointSubcenters:
     """The checkpoint's center rows of any classes, read from its memory-mapped shards
     (no rank loads the whole matrix): class c's K sub-centers."""
 
@@ -235,15 +284,6 @@ class SubcenterRows:
         return out
 
 
-def summed_over_ranks(counts: np.ndarray) -> np.ndarray:
-    """Every rank's counts added (float64 holds counts exactly up to 2^53)."""
-    if dist.hvd.size() == 1:
-        return counts
-    total = dist.hvd.allreduce(mx.nd.array(counts, dtype="float64"), op=dist.hvd.Sum,
-                               name="clean.counts")
-    return total.asnumpy().astype(np.int64)
-
-
 # ----- the kept records -----
 def write_kept(out: Path, folder: Path, dataset, chunks: list[range], counts: np.ndarray,
                angle: float, trained: Trained) -> dict:
@@ -260,6 +300,12 @@ def write_kept(out: Path, folder: Path, dataset, chunks: list[range], counts: np
         degrees.append(part_degrees.astype(np.float32))
         labels.append(part["labels"])
     positions, kept = np.concatenate(kept_positions), np.concatenate(kept_labels)
+    if len(kept) == 0:
+        raise CleanError(f"no image is within {angle:g} degrees of its class's dominant "
+                         f"sub-center ({trained.checkpoint}): nothing to write. Is the run "
+                         "trained? A larger --angle keeps more")
+    for stale in (out / REPORT, out / LABELS):  # an earlier cleaning's: the report is last
+        stale.unlink(missing_ok=True)
     order = np.argsort(kept, kind="stable")  # by class, in record order within one
     write_records(out, kept_records(dataset, positions[order]), trained.meta["num_classes"])
     old_ids = np.unique(kept)
@@ -283,14 +329,16 @@ def summary(labels: np.ndarray, degrees: np.ndarray, angle: float, trained: Trai
     """What the report says: images and classes kept, the angles' histogram, and the
     classes that lost the most images."""
     num_classes = trained.meta["num_classes"]
-    dropped = np.bincount(labels[degrees > angle], minlength=num_classes)
+    scored = np.isfinite(degrees)  # an undecodable image or a non-finite embedding: not
+    dropped = np.bincount(labels[~(degrees <= angle)], minlength=num_classes)
     total = np.bincount(labels, minlength=num_classes)
     worst = np.argsort(-dropped, kind="stable")[:20]
     return {"checkpoint": str(trained.checkpoint), "num_subcenters": trained.subcenters,
             "angle": angle, "images": int(len(labels)),
-            "images_kept": int((degrees <= angle).sum()), "classes": num_classes,
+            "images_kept": int((degrees <= angle).sum()),
+            "images_not_scored": int((~scored).sum()), "classes": num_classes,
             "classes_kept": classes_kept, "notes": trained.notes,
-            "angle_histogram": dominant.histogram(degrees),
+            "angle_histogram": dominant.histogram(degrees[scored]),
             "most_affected_classes": [{"class": int(c), "dropped": int(dropped[c]),
                                        "images": int(total[c])}
                                       for c in worst if dropped[c] > 0],

@@ -6,7 +6,7 @@ With K = 1 the class center is the one sub-center: the common "drop the samples 
 from their class center".
 
 The steps are split so that the samples can be seen a chunk at a time on many
-processes: `nearest` per chunk (the cosines to the sample's own class's sub-centers),
+processes: `own_class_cosines` per chunk (to the sample's own class's sub-centers),
 `pick_counts` summed over all chunks and ranks, `dominant` from the sums, then
 `angles` per chunk again from the kept cosines.
 """

@@ -51,7 +51,9 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     cleaning.add_argument("--chunk", type=at_least(1), default=50_000,
                           help="images a rank embeds before it saves (default: %(default)s)")
     cleaning.add_argument("--batch-size", type=at_least(1), default=128)
-    cleaning.add_argument("--gpu", type=int, metavar="N", help="embed on GPU N (default: CPU)")
+    cleaning.add_argument("--gpu", action="store_true",
+                          help="each rank embeds on its own GPU (its local rank's; default: "
+                               "the CPU)")
     make_bin = commands.add_parser(
         "make-bin", help="an insightface .bin verification set from your own pairs",
         description="PAIRS lists one pair per line: LFW's 'name n1 n2' (same person) and "

@@ -204,7 +204,8 @@ def arm_folder(work: Path, task: Path, name: str, rate: float,
 def task_of_arm(arm: Arm, task: Path, work: Path, rate: float, seed: int,
                 args: argparse.Namespace) -> Path:
     """The task's folder, or for a cleaning arm its cleaned copy (its sub-center arm
-    trained first where it has not been; with --report, the copy if it was made)."""
+    trained first where it has not been; with --report, made from that arm's run if it
+    finished, else a folder that does not exist, which reports the arm as not run)."""
     if arm.cleaned_from is None:
         return task
     source = ARMS[arm.cleaned_from]

@@ -293,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     recipe = replace(from_args(args), center_update="dense")  # torch's SGD: every row
     if recipe.num_subcenters != 1:
         raise SystemExit("arcface_torch has no sub-center ArcFace: --num-subcenters 1")
+    if recipe.margin_gradient == "exact" and recipe.interclass_filtering_threshold:
+        raise SystemExit("--margin-gradient exact replaces CombinedMarginLoss, whose filter "
+                         "--interclass-filtering-threshold is: one or the other")
     recipe.out.mkdir(parents=True, exist_ok=True)
     train(recipe, args.arcface_torch)
     return 0

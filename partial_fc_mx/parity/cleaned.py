@@ -22,14 +22,18 @@ def cleaned_task(task: Path, trained: Path, angle: float = dominant.DEFAULT_ANGL
     """The cleaned copy of `task` by the sub-center run in `trained`, made once, beside
     the task's folder (its name says from which run and at which angle)."""
     out = task.with_name(f"{task.name}-cleaned-{trained.name}-{angle:g}")
-    if (out / "cleaning.json").is_file():
-        return out
+    source = (trained / "log.json").read_text()  # the finished run, with its recipe
+    made = out / "cleaning.json"
+    if made.is_file() and json.loads(made.read_text()).get("source") == source:
+        return out  # made from this very run (one trained again is cleaned again)
     data = load_task(task, ("train_y.npy",))
     labels = np.asarray(data["train_y"])
     embeddings = np.load(trained / CLEANING_FILES[0], mmap_mode="r")
     centers = np.load(trained / CLEANING_FILES[1], mmap_mode="r")
     classes = int(labels.max()) + 1
     k = len(centers) // classes
+    if k * classes != len(centers):
+        raise SystemExit(f"{trained}: {len(centers)} sub-center rows for {classes} classes")
     by_class = np.asarray(centers).reshape(classes, k, -1)
     cosines = dominant.own_class_cosines(embeddings, labels, by_class[labels])
     degrees = dominant.angles(labels, cosines, dominant.dominant(
@@ -44,10 +48,10 @@ def cleaned_task(task: Path, trained: Path, angle: float = dominant.DEFAULT_ANGL
         if not link.exists():
             os.symlink((task / name).resolve(), link)
     (out / "task.json").write_text((task / "task.json").read_text())
-    record = {"angle": angle, "subcenters": k, "images": int(len(labels)),
+    record = {"source": source, "angle": angle, "subcenters": k, "images": int(len(labels)),
               "kept": int(keep.sum()), "classes_kept": int(len(kept_ids)),
               **found(task, labels, keep)}
-    (out / "cleaning.json").write_text(json.dumps(record))  # last: marks the folder made
+    made.write_text(json.dumps(record))  # last: marks the folder made
     return out
 
 

@@ -235,7 +235,8 @@ class PartialFC:
             row_weight = (share / len(share)).reshape((-1, 1))
             target_grad = self._target_gradients(prob, share, targets)
             if self.subcenters > 1:  # each class's probability to its sub-center of the max
-                targets = targets.on_subcenters(logits, self.subcenters)  # before: it reads them
+                # before the scatter: it reads the sub-centers' logits
+                targets = targets.on_subcenters(logits, self.subcenters, target_col)
                 self.rows.subcenter_scatter(logits, prob, self.subcenters)
                 prob = logits
         with self.timer.phase("gemm"):  # prob @ v and prob^T @ x_hat, oneDNN's on the CPU
@@ -423,13 +424,16 @@ class Targets:
     logits: mx.nd.NDArray | None = None
     slopes: mx.nd.NDArray | None = None
 
-    def on_subcenters(self, sub_logits: mx.nd.NDArray, k: int) -> Targets:
-        """The same targets, each at its class's sub-center of the max (the first of the
-        largest logit, as the scatter chose) among the N x nK `sub_logits`. Rounds keep
-        their grouping: distinct classes have distinct sub-centers."""
+    def on_subcenters(self, sub_logits: mx.nd.NDArray, k: int,
+                      target_col: np.ndarray) -> Targets:
+        """The same targets (`target_col`, as Targets.of took them), each at its class's
+        sub-center of the max (the first of the largest logit, as the scatter chose)
+        among the N x nK `sub_logits`. Rounds keep their grouping: distinct classes have
+        distinct sub-centers."""
         if self.rows is None:
             return self
-        rows, cols = self.rows.asnumpy(), self.cols.asnumpy()
+        rows = np.flatnonzero(target_col >= 0)
+        cols = target_col[rows]
         candidates = [np.stack([rows, cols * k + j]) for j in range(k)]
         ctx = sub_logits.context
         entries = mx.nd.stack(*[mx.nd.gather_nd(sub_logits, mx.nd.array(c, ctx=ctx,

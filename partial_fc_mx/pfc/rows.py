@@ -105,7 +105,7 @@ class ComposedRows:
         kept = self.buffers.get("kept", logits.shape)  # 1, or 0 where filtered
         mx.nd.broadcast_greater(logits, mx.nd.full((1, 1), interclass.threshold,
                                                    ctx=logits.context), out=kept)
-        mx.nd.elemwise_sub(mx.nd.ones_like(kept), kept, out=kept)  # NaN > t: kept
+        mx.nd._internal._rminus_scalar(kept, scalar=1.0, out=kept)  # NaN > t: kept
         set_entries(kept, spare_column(logits), mx.nd.ones(len(logits), ctx=logits.context))
         if interclass.where is not None:
             set_entries(kept, interclass.where, mx.nd.ones(interclass.where.shape[1],

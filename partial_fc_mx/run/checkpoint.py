@@ -531,21 +531,31 @@ class SubcenterRows:
     other one that row turned by about 5.7 degrees (the row plus SUBCENTER_SPREAD times
     its norm along a random unit direction, drawn from (seed, class block): the same
     on any world size). Identical sub-centers would tie for every sample, and the first
-    would take every gradient. Sliced by rows as JoinedRows; np.asarray reads them."""
+    would take every gradient. Sliced by rows it stays a view, as JoinedRows: only
+    np.asarray makes the rows (a block loads a chunk at a time: CenterBlock.load)."""
 
-    def __init__(self, classes: JoinedRows, k: int, first_class: int, seed: int) -> None:
+    def __init__(self, classes: JoinedRows, k: int, first_class: int, seed: int,
+                 rows: slice | None = None) -> None:
         self.classes, self.k, self.first_class, self.seed = classes, k, first_class, seed
-        self.shape = (classes.shape[0] * k, classes.shape[1])
+        self.rows = rows or slice(0, classes.shape[0] * k)
+        self.shape = (self.rows.stop - self.rows.start, classes.shape[1])
 
-    def __getitem__(self, rows: slice) -> np.ndarray:
+    def __getitem__(self, rows: slice) -> SubcenterRows:
         low, high, _ = rows.indices(self.shape[0])
+        start = self.rows.start
+        return SubcenterRows(self.classes, self.k, self.first_class, self.seed,
+                             slice(start + low, start + max(high, low)))
+
+    def __array__(self, dtype=None) -> np.ndarray:
+        low, high = self.rows.start, self.rows.stop
         first, last = low // self.k, -(-high // self.k)  # the classes the rows are of
         base = np.asarray(self.classes[first:last], dtype=np.float32)
         turned = np.repeat(base, self.k, axis=0)
         turned += SUBCENTER_SPREAD * np.linalg.norm(turned, axis=1, keepdims=True) * \
             self.directions(self.first_class + first, len(base))
         turned[::self.k] = base  # sub-center 0: the row itself
-        return turned[low - first * self.k:high - first * self.k]
+        rows = turned[low - first * self.k:high - first * self.k]
+        return rows if dtype is None else rows.astype(dtype, copy=False)
 
     def directions(self, first_class: int, count: int) -> np.ndarray:
         """Unit directions for every sub-center of `count` classes from `first_class`,
@@ -560,11 +570,8 @@ class SubcenterRows:
             offset = block * SUBCENTER_BLOCK
             out[(low - first_class) * self.k:(high - first_class) * self.k] = \
                 drawn[(low - offset) * self.k:(high - offset) * self.k]
-        return out / np.linalg.norm(out, axis=1, keepdims=True)
-
-    def __array__(self, dtype=None) -> np.ndarray:
-        rows = self[0:self.shape[0]]
-        return rows if dtype is None else rows.astype(dtype, copy=False)
+        out /= np.linalg.norm(out, axis=1, keepdims=True)
+        return out
 
 
 SUBCENTER_SPREAD = 0.1

@@ -86,28 +86,76 @@ PFC_CLONES void softmax_with_spare_row(const float* in, float* out, int64_t widt
 
 // Sub-center ArcFace: each class's logit is the max of its K sub-centers' (K
 // consecutive entries of the row), a NaN among them kept (the step's check needs it).
-PFC_CLONES void subcenter_max_row(const float* in, float* out, int64_t classes, int64_t k) {
+// K is a template argument, so that the compiler unrolls the K entries and vectorizes
+// across classes (loads of stride K): with K read at run time the loop ran 20x slower
+// than the softmax's pass over the same entries (334 against 17 ms at 1024 x 60,000).
+template <int K>
+PFC_CLONES void subcenter_max_row(const float* in, float* out, int64_t classes) {
+#pragma omp simd
   for (int64_t c = 0; c < classes; ++c) {
-    float m = in[c * k];
-    for (int64_t j = 1; j < k; ++j) {
-      const float x = in[c * k + j];
-      m = (x > m || x != x) ? x : m;
+    float m = in[c * K];
+    bool nan = m != m;
+    for (int j = 1; j < K; ++j) {
+      const float x = in[c * K + j];
+      m = x > m ? x : m;
+      nan = nan || x != x;
     }
-    out[c] = m;
+    out[c] = nan ? NAN : m;
   }
 }
 
 // Back to the sub-centers' entries, in place over their logits: each class's
 // probability to its first sub-center of the largest logit (the max's), 0 to the others.
-PFC_CLONES void subcenter_scatter_row(float* rows, const float* prob, int64_t classes,
-                                      int64_t k) {
-  for (int64_t c = 0; c < classes; ++c) {
-    float* entries = rows + c * k;
-    int64_t best = 0;
-    for (int64_t j = 1; j < k; ++j) best = entries[j] > entries[best] ? j : best;
-    for (int64_t j = 0; j < k; ++j) entries[j] = j == best ? prob[c] : 0.0f;
+template <int K>
+PFC_CLONES void subcenter_scatter_row(float* rows, const float* prob, int64_t classes) {
+  constexpr int64_t kBlock = 256;  // classes at a time: their choices stay on the stack
+  float chosen[K][kBlock];
+  for (int64_t low = 0; low < classes; low += kBlock) {
+    const int64_t count = classes - low < kBlock ? classes - low : kBlock;
+    float* entries = rows + low * K;
+#pragma omp simd
+    for (int64_t c = 0; c < count; ++c) {
+      float top = entries[c * K];
+      int best = 0;
+      for (int j = 1; j < K; ++j) {
+        const float x = entries[c * K + j];
+        best = x > top ? j : best;
+        top = x > top ? x : top;
+      }
+      for (int j = 0; j < K; ++j) chosen[j][c] = j == best ? prob[low + c] : 0.0f;
+    }
+#pragma omp simd
+    for (int64_t c = 0; c < count; ++c) {
+      for (int j = 0; j < K; ++j) entries[c * K + j] = chosen[j][c];
+    }
   }
 }
+
+// Either row pass with K from 2 to MAX_SUBCENTERS (pfc/centers.py), as a function of
+// (row, classes): the one instance for this K.
+template <template <int> class Pass, int K = 2>
+auto subcenter_pass(int64_t k) {
+  if constexpr (K < 16) {
+    if (k != K) return subcenter_pass<Pass, K + 1>(k);
+  }
+  return Pass<K>::run;
+}
+
+template <int K>
+struct MaxPass {
+  static void run(float* rows, const float* in, float* out, int64_t classes) {
+    (void)rows;
+    subcenter_max_row<K>(in, out, classes);
+  }
+};
+
+template <int K>
+struct ScatterPass {
+  static void run(float* rows, const float* prob, float* out, int64_t classes) {
+    (void)out;
+    subcenter_scatter_row<K>(rows, prob, classes);
+  }
+};
 
 // grad = scale * (grad - (grad . w) / |w|^2 * w) for one row: its part along w removed.
 PFC_CLONES void project_row(const float* grad, const float* w, float inverse_square_norm,
@@ -274,9 +322,10 @@ MXReturnValue subcenter_shapes(const Attributes& attributes, const char* op, int
   int64_t k;
   if (read_k(attributes, op, &k) != MX_SUCCESS) return MX_FAIL;
   const auto &sub = (*in)[0], &classes = (*in)[1];
-  if (!is_matrix(sub) || !is_matrix(classes) || sub[0] != classes[0] || k < 1 ||
+  if (!is_matrix(sub) || !is_matrix(classes) || sub[0] != classes[0] || k < 2 || k > 16 ||
       classes[1] < 1 || int64_t(sub[1]) != k * (int64_t(classes[1]) - 1)) {
-    MX_ERROR_MSG << op << " needs N x nK sub-center entries and N x (n + 1) class entries";
+    MX_ERROR_MSG << op << " needs N x nK sub-center entries and N x (n + 1) class entries, "
+                 << "2 <= K <= 16";
     return MX_FAIL;
   }
   (*out)[0] = (*in)[output];
@@ -298,8 +347,9 @@ MXReturnValue subcenter_max_forward(const Attributes& attributes, std::vector<MX
   const float* rows = (*in)[0].data<float>();
   float* classes = (*out)[0].data<float>();
   const int64_t width = (*in)[1].shape[1], sub_width = (*in)[0].shape[1];
+  const auto pass = subcenter_pass<MaxPass>(k);
   for_each_row(attributes, (*in)[0].shape[0], [&](int64_t i) {
-    subcenter_max_row(rows + i * sub_width, classes + i * width, width - 1, k);
+    pass(nullptr, rows + i * sub_width, classes + i * width, width - 1);
   });
   return MX_SUCCESS;
 }
@@ -315,8 +365,9 @@ MXReturnValue subcenter_scatter_forward(const Attributes& attributes, std::vecto
   float* rows = (*out)[0].data<float>();
   const float* prob = (*in)[1].data<float>();
   const int64_t width = (*in)[1].shape[1], sub_width = (*in)[0].shape[1];
+  const auto pass = subcenter_pass<ScatterPass>(k);
   for_each_row(attributes, (*in)[0].shape[0], [&](int64_t i) {
-    subcenter_scatter_row(rows + i * sub_width, prob + i * width, width - 1, k);
+    pass(rows + i * sub_width, prob + i * width, nullptr, width - 1);
   });
   return MX_SUCCESS;
 }
