@@ -205,6 +205,7 @@ def test_sub_centers_start_from_one_center_per_class_and_never_lose_rows(tmp_pat
     assert "holds 3 sub-center(s) per class; this run has num_subcenters=1" in refused.stdout
     two = run(train_args(config, tmp_path / "d", "--load-from", str(tmp_path / "b"),
                          "num_subcenters=2"), timeout=600)
+    assert two.returncode != 0
     assert "holds 3 sub-center(s) per class; this run has num_subcenters=2" in two.stdout
     # the loaded rows, before any step: a K = 3 PartialFC given the K = 1 checkpoint
     saved = tmp_path / "a/checkpoints/step_000002"
