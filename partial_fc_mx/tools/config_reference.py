@@ -52,6 +52,7 @@ verification sets are never executed (training.md, evaluation.md).
 | `ms1mv3_r50_cosface.py`, `ms1mv3_r50_adaface.py` | MS1MV3 | r50 | CosFace, AdaFace |
 | `glint360k_r50.py`, `glint360k_r100.py` | Glint360K, 360,232 ids (0.1) | r50, r100 | CosFace |
 | `glint360k_r100_arcface.py` | Glint360K (0.1) | r100 | ArcFace |
+| `glint360k_r100_noisy.py` | Glint360K, noisy labels (0.1) | r100 | CosFace, 3 sub-centers |
 | `webface4m_r50.py` | WebFace4M, 205,990 ids (0.3) | r50 | ArcFace |
 | `webface42m_r100.py` | WebFace42M, 2,059,906 ids (0.2) | r100 | ArcFace |
 | `random_1m_r50.py`, `random_10m_r50.py` | random tensors, 1M / 10M ids (0.1) | r50 | ArcFace |
