@@ -217,6 +217,16 @@ def task_of_arm(arm: Arm, task: Path, work: Path, rate: float, seed: int,
     return cleaned_task(task, folder)
 
 
+def cleaning_line(task: Path) -> str:
+    """What a cleaning arm's cleaning kept, and how well it found the wrong labels."""
+    made = json.loads((task / "cleaning.json").read_text())
+    found = (f"; of the dropped, {made['precision']:.3f} were wrong labels, and "
+             f"{made['recall']:.3f} of the wrong labels were dropped" if "precision" in made
+             else "")
+    return (f"cleaning at {made['angle']:g} degrees kept {made['kept']:,} of "
+            f"{made['images']:,} samples and {made['classes_kept']:,} classes{found}")
+
+
 def begin_or_go_on(recipe: Recipe) -> None:
     """Empty the run's folder, unless it holds an interrupted run of the same recipe
     (its recipe.json, written here before the run starts): that is kept for the arm to
@@ -395,9 +405,10 @@ def main(argv: list[str] | None = None) -> int:
                 for name in args.arms:
                     arm = ARMS[name]
                     started = time.perf_counter()
+                    trained_on = task_of_arm(arm, task, work, rate, seed, args)
                     result = run_arm(arm, arm_recipe(arm, Recipe(
-                        task_of_arm(arm, task, work, rate, seed, args),
-                        arm_folder(work, task, name, rate, args)), seed, rate, args), args)
+                        trained_on, arm_folder(work, task, name, rate, args)), seed, rate,
+                        args), args)
                     if result is None:
                         print(f"C={classes} r={rate:g} seed {seed} {name}: not run yet")
                         continue
@@ -407,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"{end.accuracy:.4f}, TAR@1e-3 {end.tar[1e-3]:.4f}, TAR@1e-4 "
                           f"{end.tar[1e-4]:.4f} ({result.minutes:.1f} min to train; "
                           f"{(time.perf_counter() - started) / 60:.1f} min here)", flush=True)
+                    if arm.cleaned_from:
+                        print(f"  {cleaning_line(trained_on)}")
     print(table(cells, args.arms))
     if args.plot:
         plot(cells, args.arms, args.plot, args.kind)
