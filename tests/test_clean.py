@@ -172,6 +172,8 @@ def test_the_dominant_sub_center_is_the_one_most_samples_pick():
     assert chosen.tolist() == [1, 0, 0]
     degrees = dominant.angles(labels, cosines, chosen)
     np.testing.assert_allclose(degrees, np.degrees(np.arccos([0.1, 0.8, 0.7, 0.5, 0.3])))
+    unscored = np.array([[np.nan] * 3, [np.nan] * 3, [0.1, 0.2, 0.9]])  # no vote
+    assert dominant.pick_counts(np.zeros(3, int), unscored, 1).tolist() == [[0, 0, 1]]
 
 
 def test_the_noise_generator_flips_and_splits_what_it_says_and_keeps_the_truth():

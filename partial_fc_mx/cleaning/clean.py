@@ -85,7 +85,7 @@ def clean(work_dir: Path, out: Path, rec: str | list[str], angle: float = domina
                     f"cannot prepare {folder}", on=world.is_main)
     dist.run_agreed(lambda: see_plan(folder, plan), "clean.shared", (UserError,), CleanError,
                     f"cannot read {folder}")
-    ctx = mx.gpu(world.local_rank) if gpu else mx.cpu()
+    ctx = embedding_device(world) if gpu else mx.cpu()
     mine = [c for c in range(len(chunks)) if c % world.size == world.rank]
     counts = dist.run_agreed(lambda: embed_and_count(work_dir, trained, dataset, chunks, mine,
                                                      folder, ctx, batch_size),
@@ -96,6 +96,18 @@ def clean(work_dir: Path, out: Path, rec: str | list[str], angle: float = domina
                                               trained),
                            "clean.write", (UserError,), CleanError, f"cannot write {out}",
                            on=world.is_main)
+
+
+def embedding_device(world: dist.World) -> mx.Context:
+    """Each rank's own GPU, as training chooses it (one per process, also where a
+    launcher shows each process one GPU as its first), agreed by every rank; a rank
+    that sees none stops them all."""
+    ctx = dist.training_device(world)
+    if ctx.device_type != "gpu":
+        raise dist.agreed(CleanError("--gpu: this process sees no GPU (CUDA_VISIBLE_DEVICES, "
+                                     "an MXNet without CUDA?); leave --gpu out to embed on "
+                                     "the CPU"))
+    return ctx
 
 
 # ----- the run and its dataset -----
@@ -157,7 +169,8 @@ def refuse_out(out: Path, inputs: list) -> None:
         if out.exists() and path.exists() and os.path.samefile(out, path):
             raise CleanError(f"OUT {out} is {path}, an input of the cleaning: write the "
                              "cleaned dataset to a folder of its own")
-    if (out / "train.rec").exists() and not (out / REPORT).exists():
+    cleaned_before = (out / REPORT).exists() or (out / CHUNKS / PLAN).exists()
+    if (out / "train.rec").exists() and not cleaned_before:
         raise CleanError(f"{out} holds a dataset (train.rec) that no cleaning wrote: give "
                          "an empty or new folder for the cleaned dataset")
 

@@ -36,9 +36,11 @@ def own_class_cosines(embeddings: np.ndarray, labels: np.ndarray,
 
 def pick_counts(labels: np.ndarray, cosines: np.ndarray, num_classes: int) -> np.ndarray:
     """How many samples of each class are nearest to each of its sub-centers
-    (num_classes x K, int64): summed over chunks and ranks, the dominant's evidence."""
+    (num_classes x K, int64): summed over chunks and ranks, the dominant's evidence. A
+    sample without cosines (NaN: an image that did not decode) has no vote."""
     k = cosines.shape[1]
-    picks = np.asarray(labels, np.int64) * k + cosines.argmax(axis=1)
+    scored = np.isfinite(cosines).all(axis=1)
+    picks = np.asarray(labels, np.int64)[scored] * k + cosines[scored].argmax(axis=1)
     return np.bincount(picks, minlength=num_classes * k).reshape(num_classes, k)
 
 

@@ -154,7 +154,10 @@ def clean_command(args: argparse.Namespace) -> int:
         print(f"kept {report['images_kept']} of {report['images']} images and "
               f"{report['classes_kept']} of {report['classes']} classes within "
               f"{report['angle']:g} degrees of their class's dominant sub-center; wrote "
-              f"{args.out} (labels.txt: new id, old id; {args.out / 'clean_report.json'})")
+              f"{args.out} (labels.txt: new id, old id; {args.out / 'clean_report.json'})"
+              + (f"; {report['images_not_scored']} images could not be scored (undecodable "
+                 "or a non-finite embedding) and were dropped"
+                 if report["images_not_scored"] else ""))
     return 0
 
 

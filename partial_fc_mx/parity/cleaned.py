@@ -7,6 +7,7 @@ planted wrong labels (against the task's true labels)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -21,11 +22,14 @@ from .task import FILES, TRUE_LABELS, load_task
 def cleaned_task(task: Path, trained: Path, angle: float = dominant.DEFAULT_ANGLE) -> Path:
     """The cleaned copy of `task` by the sub-center run in `trained`, made once, beside
     the task's folder (its name says from which run and at which angle)."""
-    out = task.with_name(f"{task.name}-cleaned-{trained.name}-{angle:g}")
     source = (trained / "log.json").read_text()  # the finished run, with its recipe
+    # named by that run: one trained again makes another copy, and the arm trained on
+    # it has another recipe (its task's path), so it is never taken for this one's
+    digest = hashlib.sha256(source.encode()).hexdigest()[:8]
+    out = task.with_name(f"{task.name}-cleaned-{trained.name}-{digest}-{angle:g}")
     made = out / "cleaning.json"
-    if made.is_file() and json.loads(made.read_text()).get("source") == source:
-        return out  # made from this very run (one trained again is cleaned again)
+    if made.is_file():
+        return out
     data = load_task(task, ("train_y.npy",))
     labels = np.asarray(data["train_y"])
     embeddings = np.load(trained / CLEANING_FILES[0], mmap_mode="r")

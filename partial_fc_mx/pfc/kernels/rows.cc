@@ -131,11 +131,14 @@ PFC_CLONES void subcenter_scatter_row(float* rows, const float* prob, int64_t cl
   }
 }
 
-// Either row pass with K from 2 to MAX_SUBCENTERS (pfc/centers.py), as a function of
-// (row, classes): the one instance for this K.
+// The most sub-centers per class: MAX_SUBCENTERS of pfc/centers.py.
+constexpr int kMaxSubcenters = 16;
+
+// Either row pass with K from 2 to kMaxSubcenters, as a function of (row, classes): the
+// one instance for this K (the operators check k first).
 template <template <int> class Pass, int K = 2>
 auto subcenter_pass(int64_t k) {
-  if constexpr (K < 16) {
+  if constexpr (K < kMaxSubcenters) {
     if (k != K) return subcenter_pass<Pass, K + 1>(k);
   }
   return Pass<K>::run;
@@ -307,11 +310,17 @@ MXReturnValue subcenter_scatter_arity(const Attributes& attributes, int* inputs,
   return arity(attributes, "subcenter_scatter", {"k"}, 2, 1, inputs, outputs);
 }
 
-// Sub-centers per class, the attribute k.
+bool k_in_range(int64_t k) { return k >= 2 && k <= kMaxSubcenters; }
+
+// Sub-centers per class, the attribute k, within the instances compiled.
 MXReturnValue read_k(const Attributes& attributes, const char* op, int64_t* k) {
   float value;
   if (read_numbers(attributes, op, {{"k", &value}}) != MX_SUCCESS) return MX_FAIL;
   *k = int64_t(value);
+  if (!k_in_range(*k)) {
+    MX_ERROR_MSG << op << ": k = " << *k << ", not in 2.." << kMaxSubcenters;
+    return MX_FAIL;
+  }
   return MX_SUCCESS;
 }
 
@@ -322,10 +331,9 @@ MXReturnValue subcenter_shapes(const Attributes& attributes, const char* op, int
   int64_t k;
   if (read_k(attributes, op, &k) != MX_SUCCESS) return MX_FAIL;
   const auto &sub = (*in)[0], &classes = (*in)[1];
-  if (!is_matrix(sub) || !is_matrix(classes) || sub[0] != classes[0] || k < 2 || k > 16 ||
+  if (!is_matrix(sub) || !is_matrix(classes) || sub[0] != classes[0] ||
       classes[1] < 1 || int64_t(sub[1]) != k * (int64_t(classes[1]) - 1)) {
-    MX_ERROR_MSG << op << " needs N x nK sub-center entries and N x (n + 1) class entries, "
-                 << "2 <= K <= 16";
+    MX_ERROR_MSG << op << " needs N x nK sub-center entries and N x (n + 1) class entries";
     return MX_FAIL;
   }
   (*out)[0] = (*in)[output];
