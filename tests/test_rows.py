@@ -139,7 +139,7 @@ def test_each_vector_width_the_library_carries_passes_the_same_tests(march, tmp_
             f"kernels.FLAGS += ['-DPFC_CLONES=', '-march={march}']; "
             f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-k', "
             "'exp or softmax or nan or scale_and_projection or bit_for_bit or "
-            "exact_equals_dense or prelu', "
+            "exact_equals_dense or prelu or sub_center', "
             f"{str(here / 'test_rows.py')!r}, {str(here / 'test_centers.py')!r}, "
             f"{str(here / 'test_idle_rows.py')!r}, {str(here / 'test_cpu_prelu.py')!r}]))")
     env = {**os.environ, "PARTIAL_FC_MX_KERNELS": str(tmp_path)}
