@@ -195,7 +195,7 @@ class Config:
 
     def validate(self) -> None:
         """Reject values that would fail later, far from their cause, or on one rank."""
-        from .backbones import unknown_network
+        from .backbones import dropout_problem, unknown_network
         from .pfc.centers import subcenter_problem
         from .pfc.rows import filter_problem
 
@@ -245,6 +245,8 @@ class Config:
                             "fp16=False turns off; set fp16=True too")
         if not 0 <= self.dropout < 1:
             problems.append(f"dropout={self.dropout} must be in [0, 1)")
+        elif problem := dropout_problem(self.network, self.dropout):
+            problems.append(problem)
         problems += self.augmentation().problems()
         if not isinstance(self.reference_batch, int) or self.reference_batch < 0:
             problems.append(f"reference_batch={self.reference_batch} must be a whole number "

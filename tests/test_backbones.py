@@ -16,6 +16,7 @@ from partial_fc_mx.backbones import get_model, graph_of
 from partial_fc_mx.backbones.dropout import Dropout
 from partial_fc_mx.backbones.layout import load_parameters
 from partial_fc_mx.backbones.summary import count_flops
+from partial_fc_mx.backbones.vit import VIT_SIZES
 
 ANCHOR_SHAPES = json.loads((Path(__file__).parent / "anchor_shapes.json").read_text())
 """arcface_torch's get_model(name) parameters, [[name, shape], ...] in registration
@@ -40,7 +41,8 @@ def test_each_layer_has_the_shape_of_arcface_torchs(name):
 
 
 def test_the_recording_covers_every_network_both_toolkits_name():
-    assert sorted(ANCHOR_SHAPES) == ["mbf", "r100", "r18", "r200", "r34", "r50"]
+    assert sorted(ANCHOR_SHAPES) == sorted(["mbf", "r100", "r18", "r200", "r34", "r50",
+                                            *VIT_SIZES])
     assert all(len(layers) > 90 for layers in ANCHOR_SHAPES.values())
 
 

@@ -1,7 +1,8 @@
-"""Backbones by name: iresnet18/34/50/100/200 (r18 ... r200), mobilefacenet, mbf, tiny.
+"""Backbones by name: iresnet18/34/50/100/200 (r18 ... r200), mobilefacenet, mbf, tiny,
+and the Vision Transformers vit_t ... vit_h (vit.py).
 
-The names arcface_torch's `get_model` knows (r18 ... r200, mbf) build its layers with
-the same parameter shapes."""
+The names arcface_torch's `get_model` knows (r18 ... r200, mbf, the vit_ names) build
+its layers with the same parameter shapes."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ from mxnet.gluon import HybridBlock
 
 from .iresnet import DEPTHS, IResNet
 from .mobilefacenet import MobileFaceNet
+from .vit import VIT_SIZES, VisionTransformer
 
 MOBILEFACENET_SCALES = {"mobilefacenet": 1, "mbf": 2}
 """The original MobileFaceNet, and arcface_torch's `get_model("mbf")` (twice as wide)."""
 
-NAMES = sorted([*DEPTHS, *MOBILEFACENET_SCALES, "tiny"])
+NAMES = sorted([*DEPTHS, *MOBILEFACENET_SCALES, *VIT_SIZES, "tiny"])
 
 
 def unknown_network(name: str) -> str | None:
@@ -22,6 +24,14 @@ def unknown_network(name: str) -> str | None:
     if name.replace("iresnet", "r") in NAMES:
         return None
     return f"unknown network {name!r}; choose one of {', '.join(NAMES)}"
+
+
+def dropout_problem(name: str, dropout: float) -> str | None:
+    """Why `dropout` cannot apply to network `name`, or None."""
+    if dropout and name in VIT_SIZES:
+        return (f"dropout={dropout}: {name} has no dropout layer (arcface_torch's ViTs "
+                "drop paths in training instead, at their own rate); set dropout = 0")
+    return None
 
 
 def get_model(name: str, embedding_size: int = 512, dropout: float = 0.0) -> HybridBlock:
@@ -34,12 +44,21 @@ def get_model(name: str, embedding_size: int = 512, dropout: float = 0.0) -> Hyb
         return IResNet(DEPTHS[name], embedding_size=embedding_size, dropout=dropout)
     if name in MOBILEFACENET_SCALES:
         return MobileFaceNet(embedding_size, dropout, MOBILEFACENET_SCALES[name])
+    if name in VIT_SIZES:
+        if problem := dropout_problem(name, dropout):
+            raise ValueError(problem)
+        return VisionTransformer(VIT_SIZES[name], embedding_size)
     return IResNet((1, 1, 1), widths=(32, 64, 128), stem=16, stem_stride=2,
                    embedding_size=embedding_size, dropout=dropout)
 
 
-def graph_of(net: HybridBlock) -> mx.sym.Symbol:
+def graph_of(net: HybridBlock, training: bool = True) -> mx.sym.Symbol:
     """`net`'s graph with its float32 input named "data", from calling it on a symbol:
     nothing runs and no cached graph is needed (the float32 network of a 16-bit run
-    never runs forward)."""
-    return net(mx.sym.var("data", dtype="float32"))
+    never runs forward). `training=False`: the graph for inference, without the
+    operators a ViT uses in training only (its masking and drop path: vit.py); the
+    other networks have one graph, whose Dropout and BatchNorm follow the mode."""
+    data = mx.sym.var("data", dtype="float32")
+    if isinstance(net, VisionTransformer):
+        return net(data, training)
+    return net(data)

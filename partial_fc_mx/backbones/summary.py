@@ -15,8 +15,8 @@ from ..data.transforms import FACE_SIZE
 def count_flops(net: HybridBlock, size: int = FACE_SIZE) -> tuple[int, int]:
     """(parameters, multiply-adds for one 3 x size x size image) of an initialized net.
 
-    Read from the hybridized graph with inferred shapes, counting convolutions and
-    dense layers (everything else is a rounding error).
+    Read from the hybridized graph with inferred shapes, counting convolutions, dense
+    layers and batch_dot (a ViT's attention; everything else is a rounding error).
     """
     net.hybridize()
     net(mx.nd.zeros((1, 3, size, size)))
@@ -27,15 +27,20 @@ def count_flops(net: HybridBlock, size: int = FACE_SIZE) -> tuple[int, int]:
     nodes = json.loads(symbol.tojson())["nodes"]
     macs = 0
     for node in nodes:
-        if node["op"] not in ("Convolution", "FullyConnected"):
+        if node["op"] not in ("Convolution", "FullyConnected", "batch_dot"):
             continue
         out = shapes[f"{node['name']}_output"]
         source = nodes[node["inputs"][0][0]]
         source_name = source["name"] if source["op"] == "null" else f"{source['name']}_output"
         data = shapes[source_name]
-        if node["op"] == "Convolution":
+        if node["op"] == "batch_dot":  # out is batch x M x N; the sum runs over K
+            transpose_a = node.get("attrs", {}).get("transpose_a") == "True"
+            macs += int(np.prod(out)) * data[1 if transpose_a else 2]
+        elif node["op"] == "Convolution":
             kernel = np.prod(ast.literal_eval(node["attrs"]["kernel"]))  # e.g. "(3, 3)"
             macs += int(np.prod(out)) * data[1] // int(node["attrs"].get("num_group", 1)) * kernel
+        elif node.get("attrs", {}).get("flatten") == "False":  # over the last axis only
+            macs += int(np.prod(out)) * data[-1]
         else:
             macs += int(np.prod(out)) * int(np.prod(data[1:]))
     params = sum(int(np.prod(p.shape)) for p in net.collect_params().values())

@@ -297,18 +297,19 @@ def save_backbone(net, prefix: str | os.PathLike, record: dict | None = None) ->
 
     The graph comes from calling `net` on a symbol, not from the graph cached by a
     forward pass (net.export's): the float32 network of a mixed-precision run never
-    runs forward, and its graph has no casts for ONNX to choke on."""
+    runs forward, and its graph has no casts for ONNX to choke on, nor a ViT's
+    training-only operators."""
     prefix = Path(prefix)
     tmp = prefix.with_name(f".{prefix.name}.partial")
     if record is not None:  # a crash below leaves no record naming the previous step
         prefix.with_name(f"{prefix.name}.json").unlink(missing_ok=True)
     settle()
-    graph = graph_of(net)
-    auxiliary = set(graph.list_auxiliary_states())
+    graph = graph_of(net, training=False)
+    auxiliary, used = set(graph.list_auxiliary_states()), set(graph.list_inputs())
     graph.save(f"{tmp}-symbol.json")
-    mx.nd.save(f"{tmp}-0000.params",
+    mx.nd.save(f"{tmp}-0000.params",  # a ViT's mask token serves training only
                {f"{'aux' if name in auxiliary else 'arg'}:{name}": param.data().copyto(mx.cpu())
-                for name, param in net.collect_params().items()})
+                for name, param in net.collect_params().items() if name in used})
     for suffix in ("-symbol.json", "-0000.params"):
         durable.replace(f"{tmp}{suffix}", f"{prefix}{suffix}")
     if record is not None:

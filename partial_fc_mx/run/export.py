@@ -7,6 +7,7 @@ their helper checks (shapes, file size, latency) and warns past a budget.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -70,6 +71,31 @@ def describe_backbone(work_dir: str | os.PathLike, model: str = "backbone") -> s
     return f"{name} (step {record.get('step', '?')}{accuracy})"
 
 
+OPSET = 17
+"""The opset backbone.onnx declares. MXNet's exporter takes the newest the installed
+onnx knows (23 for onnx 1.18), but its LayerNorm (a ViT's) writes ReduceMean with the
+`axes` attribute, which opset 18 moved to an input: 17 is the newest its converters
+fit, and it does not change with the onnx version."""
+
+
+@contextlib.contextmanager
+def opset(version: int):
+    """mx.onnx.export_model writing for `version`: it has no argument for it (it asks
+    onnx.defs.onnx_opset_version), and it checks its graph against the checker's
+    default context, which is set to the newest opset too."""
+    import onnx.checker
+
+    newest, context = onnx.defs.onnx_opset_version, onnx.checker.DEFAULT_CONTEXT
+    imports = dict(context.opset_imports)
+    onnx.defs.onnx_opset_version = lambda: version
+    context.opset_imports = {**imports, "": version}
+    try:
+        yield
+    finally:
+        onnx.defs.onnx_opset_version = newest
+        context.opset_imports = imports
+
+
 def export_onnx(work_dir: str | os.PathLike) -> Path:
     """Write work_dir/backbone.onnx (batch dimension dynamic) atomically; validate it.
     It is written under this process's own name first: an `export` run by hand while
@@ -79,16 +105,20 @@ def export_onnx(work_dir: str | os.PathLike) -> Path:
     finite_embeddings(work_dir, random_faces())  # nothing written for an overflowing one
     tmp = work_dir / f".backbone.onnx.{os.getpid()}.partial"
     try:
-        mx.onnx.export_model(symbol, params,
-                             in_shapes=[(1, 3, FACE_SIZE, FACE_SIZE)], in_types=[np.float32],
-                             onnx_file_path=str(tmp), dynamic=True,
-                             dynamic_input_shapes=[(None, 3, FACE_SIZE, FACE_SIZE)])
+        with opset(OPSET):
+            mx.onnx.export_model(symbol, params,
+                                 in_shapes=[(1, 3, FACE_SIZE, FACE_SIZE)], in_types=[np.float32],
+                                 onnx_file_path=str(tmp), dynamic=True,
+                                 dynamic_input_shapes=[(None, 3, FACE_SIZE, FACE_SIZE)])
         model = onnx.load(str(tmp))
         # MXNet's exporter also lists the weights as graph inputs; onnxruntime then
         # cannot fold them as constants, and checkers see many inputs instead of one
         weights = {init.name for init in model.graph.initializer}
         for graph_input in [i for i in model.graph.input if i.name in weights]:
             model.graph.input.remove(graph_input)
+        used = {name for node in model.graph.node for name in node.input}
+        for unused in [i for i in model.graph.initializer if i.name not in used]:
+            model.graph.initializer.remove(unused)  # LayerNorm's converter leaves some
         slopes_per_channel(model)
         onnx.checker.check_model(model)
         onnx.save(model, str(tmp))

@@ -1,0 +1,184 @@
+"""The Vision Transformers: arcface_torch's initialisation, patch masking and drop path
+in training only (drawn from MXNet's seeded generator), and an inference graph
+without them. (Their parameter shapes: test_backbones.py, against the recording.)"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import mxnet as mx
+import numpy as np
+import pytest
+from conftest import config_file, logged, mpirun, python_module, run, sixteen_bits, train_args
+
+from partial_fc_mx.backbones import get_model, graph_of
+from partial_fc_mx.backbones.summary import count_flops
+from partial_fc_mx.backbones.vit import (
+    KEPT_TOKENS,
+    PATCH,
+    TOKENS,
+    VisionTransformer,
+    ViTSize,
+    drop_path,
+)
+from partial_fc_mx.config import Config, ConfigError
+from partial_fc_mx.run.precision import build_backbone
+
+ANCHOR_INIT = json.loads((Path(__file__).parent / "anchor_init.json").read_text())
+"""arcface_torch's vit_t as it initialises it: [[name, mean, std], ...], recorded by
+`python -m partial_fc_mx.tools.anchor_shapes --init vit_t` (docs/tests.md)."""
+
+RANDOM_OPS = {"Dropout", "_random_uniform_like", "argsort"}
+
+
+def test_vit_t_starts_from_the_anchors_initialisation():
+    """Parameter by parameter, in registration order, as the trainer initialises it:
+    the same mean and spread (constants equal), to the sampling error of each."""
+    net, _ = build_backbone(Config(network="vit_t"), mx.cpu())
+    ours = [p for p in net.collect_params().values()
+            if not p.name.endswith(("running_mean", "running_var"))]
+    anchor = ANCHOR_INIT["vit_t"]
+    assert len(ours) == len(anchor)
+    for param, (name, mean, std) in zip(ours, anchor):
+        values = param.data().asnumpy()
+        if std == 0:
+            assert values.std() == 0 and values.mean() == pytest.approx(mean), name
+            continue
+        spread = 5 / math.sqrt(2 * values.size)
+        assert abs(values.std() / std - 1) < max(spread, 0.02), (name, values.std(), std)
+        assert abs(values.mean() - mean) < 5 * std / math.sqrt(values.size) * 1.5, name
+
+
+def tiny_vit(masks: bool = True, drop: float = 0.0) -> VisionTransformer:
+    net = VisionTransformer(ViTSize(16, 2, drop, masks), embedding_size=8)
+    net.initialize(mx.init.Xavier())
+    net.hybridize()
+    return net
+
+
+def patch_gradients(net, x: mx.nd.NDArray, train: bool, seed: int = 5) -> np.ndarray:
+    """N x 144: the largest |d embedding / d pixel| over each 9 x 9 patch."""
+    x = x.copy()
+    x.attach_grad()
+    mx.random.seed(seed)
+    with mx.autograd.record(train_mode=train):
+        y = net(x)
+        loss = (y * mx.nd.array(np.linspace(-1, 1, y.size).reshape(y.shape))).sum()
+    loss.backward()
+    side = int(math.sqrt(TOKENS)) * PATCH  # 108: the pixels the patches cover
+    grad = np.abs(x.grad.asnumpy()[:, :, :side, :side])
+    n = grad.shape[0]
+    per_patch = grad.reshape(n, 3, 12, PATCH, 12, PATCH).max(axis=(1, 3, 5))
+    return per_patch.reshape(n, TOKENS)
+
+
+def test_training_hides_15_patches_per_sample_and_inference_none():
+    """A masked patch reaches the embedding through nothing (no query attends to it,
+    its output is replaced by the mask token): in training exactly 144 - 129 patches of
+    each sample get no gradient, other ones in each sample, the same ones again after
+    reseeding; in inference every patch counts."""
+    net = tiny_vit()
+    x = mx.nd.random.uniform(-1, 1, (4, 3, 112, 112))
+    trained = patch_gradients(net, x, train=True)
+    hidden = trained == 0
+    assert (hidden.sum(axis=1) == TOKENS - KEPT_TOKENS).all(), hidden.sum(axis=1)
+    assert len({tuple(np.flatnonzero(row)) for row in hidden}) == 4
+    assert np.array_equal(patch_gradients(net, x, train=True) == 0, hidden)
+    assert not np.array_equal(patch_gradients(net, x, train=True, seed=6) == 0, hidden)
+    assert (patch_gradients(net, x, train=False) > 0).all()
+
+
+def test_a_network_without_masking_lets_every_patch_count_in_training():
+    net = tiny_vit(masks=False)
+    x = mx.nd.random.uniform(-1, 1, (2, 3, 112, 112))
+    assert (patch_gradients(net, x, train=True) > 0).all()
+
+
+def test_drop_path_drops_whole_samples_in_training_only():
+    branch = mx.nd.ones((64, 5, 3))
+    with mx.autograd.record(train_mode=True):
+        mx.random.seed(1)
+        trained = drop_path(mx.nd, branch, 0.25).asnumpy()
+    per_sample = trained.reshape(64, -1)
+    assert (per_sample == per_sample[:, :1]).all()  # one decision per sample
+    assert set(np.unique(per_sample)) == {0.0, np.float32(1 / 0.75)}
+    assert 4 <= (per_sample[:, 0] == 0).sum() <= 28  # about a quarter of 64
+    with mx.autograd.record(train_mode=False):
+        assert np.array_equal(drop_path(mx.nd, branch, 0.25).asnumpy(), branch.asnumpy())
+
+
+def test_training_draws_repeat_after_reseeding_and_differ_across_steps():
+    net = tiny_vit(drop=0.5)
+    x = mx.nd.random.uniform(-1, 1, (4, 3, 112, 112))
+
+    def forward(seed=None):
+        if seed is not None:
+            mx.random.seed(seed)
+        with mx.autograd.record(train_mode=True):
+            return net(x).asnumpy()
+
+    first, second = forward(3), forward()
+    assert np.array_equal(forward(3), first) and not np.allclose(first, second)
+
+
+@pytest.mark.parametrize("name", ["vit_t", "vit_b_dp005_mask_005"])
+def test_the_inference_graph_has_no_training_only_operator(name):
+    """backbone-symbol.json and ONNX are written from it; the training graph has them,
+    and the mask token serves training only."""
+    net = get_model(name)
+    inference = json.loads(graph_of(net, training=False).tojson())["nodes"]
+    training = json.loads(graph_of(net).tojson())["nodes"]
+    assert not RANDOM_OPS & {node["op"] for node in inference}
+    assert RANDOM_OPS <= {node["op"] for node in training}
+    assert not any(n["name"].endswith("mask_token") for n in inference)
+
+
+def test_inference_gives_the_same_embeddings_as_the_training_graph_in_inference_mode():
+    net = tiny_vit(drop=0.3)
+    x = mx.nd.random.uniform(-1, 1, (3, 3, 112, 112))
+    block = mx.gluon.SymbolBlock(graph_of(net, training=False), [mx.sym.var("data")],
+                                 params=net.collect_params())
+    assert np.allclose(block(x).asnumpy(), net(x).asnumpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_vit_with_dropout_is_refused_by_name():
+    with pytest.raises(ConfigError, match="vit_s has no dropout"):
+        Config(network="vit_s", dropout=0.1).validate()
+
+
+def test_vit_t_trains_on_2_ranks_resumes_on_3_and_exports_an_onnx_model_that_matches(
+        tmp_path, synthetic):
+    """The full-size vit_t under mpirun, in the 16-bit path where oneDNN runs bfloat16
+    (float32 elsewhere): a save after 2 steps of 2 x 8 images, a resume on 3 processes
+    (2 more steps of 3 x 8: the same 48 images), and backbone.onnx within 1e-4."""
+    keys, dtype = sixteen_bits()
+    work = tmp_path / "work"
+    config = config_file(tmp_path, synthetic, network="vit_t", embedding_size=512,
+                         batch_size=8, max_steps=2, **keys)
+    first = mpirun(2, train_args(config, work), timeout=900)
+    assert first.returncode == 0, first.stdout[-3000:]
+    longer = config_file(tmp_path, synthetic, name="longer.py", network="vit_t",
+                         embedding_size=512, batch_size=8, max_steps=5, **keys)
+    resumed = mpirun(3, train_args(longer, work, "--resume-from", str(work)), timeout=900)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    log = logged(work)
+    assert sorted(log["losses"]) == [1, 2, 3, 4] and all(np.isfinite(list(log["losses"].values())))
+    assert f"training vit_t on {synthetic}" in log["text"]
+    assert f"3 processes on cpu(0), backbone in {dtype}" in log["text"]
+    exported = run(python_module("export", str(work)))
+    assert exported.returncode == 0, exported.stdout[-2000:]  # parity within 1e-4
+    assert exported.stdout.startswith(f"wrote {work / 'backbone.onnx'}; onnxruntime against")
+
+
+@pytest.mark.parametrize("name, published", [
+    ("vit_t", "1.5"), ("vit_s", "5.7"), ("vit_b", "11"), ("vit_l_dp005_mask_005", "25")])
+def test_vits_have_the_gflops_arcface_torch_names_them_by(name, published):
+    """Its README's ViT-T-1.5G ... ViT-L-25G: multiply-adds of one image, the
+    attention's batch_dot included, to the digits it gives."""
+    net = get_model(name)
+    net.initialize()
+    _, macs = count_flops(net)
+    decimals = len(published.partition(".")[2])
+    assert f"{macs / 1e9:.{decimals}f}" == published
