@@ -72,7 +72,9 @@ class Config:
     # --- model ---
     network: str = "r50"
     """The backbone: r18, r34, r50, r100, r200 (IResNet), mobilefacenet, mbf (arcface_torch's
-    MobileFaceNet, twice as wide), or tiny (tests)."""
+    MobileFaceNet, twice as wide), arcface_torch's Vision Transformers vit_t,
+    vit_t_dp005_mask0, vit_s, vit_s_dp005_mask_0, vit_b, vit_b_dp005_mask_005,
+    vit_l_dp005_mask_005, vit_h (docs/training.md), or tiny (tests)."""
     embedding_size: int = 512
     """Length of the face embedding (the backbone's output, the class centers' width)."""
     dropout: float = 0.0

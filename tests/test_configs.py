@@ -43,12 +43,15 @@ from conftest import (
 )
 
 from partial_fc_mx.backbones.iresnet import DEPTHS
+from partial_fc_mx.backbones.vit import VIT_SIZES
 from partial_fc_mx.config import Config, load_config
 from partial_fc_mx.prep.synthetic import prepare_synthetic
 from partial_fc_mx.run.export import parity
 
 CONFIGS = sorted((REPO / "configs").glob("*.py"))
-BY_SIZE = ("tiny", "mobilefacenet", "mbf", "r18", "r34", "r50", "r100", "r200")
+BY_SIZE = ("tiny", "mobilefacenet", "mbf", "vit_t", "vit_t_dp005_mask0", "r18", "r34", "r50",
+           "vit_s", "vit_s_dp005_mask_0", "r100", "vit_b", "vit_b_dp005_mask_005", "r200",
+           "vit_l_dp005_mask_005", "vit_h")
 """Our networks from the cheapest to train to the dearest."""
 CLASSES = 60
 FULL_MATRIX = os.environ.get("PFC_FULL_MATRIX") == "1"
@@ -60,7 +63,10 @@ def backbone_dtype(config: Config, env: dict) -> str:
 
 
 def family(network: str) -> str:
-    """IResNet-18 to -200 are one family: one builder, depth its only parameter."""
+    """IResNet-18 to -200 are one family: one builder, depth its only parameter; the
+    ViTs another (one builder, its sizes the parameters)."""
+    if network in VIT_SIZES:
+        return "vit"
     return "iresnet" if network.replace("iresnet", "r") in DEPTHS else network
 
 
