@@ -11,7 +11,15 @@ from pathlib import Path
 import mxnet as mx
 import numpy as np
 import pytest
-from conftest import config_file, logged, mpirun, python_module, run, sixteen_bits, train_args
+from conftest import (
+    bfloat16_native,
+    config_file,
+    logged,
+    mpirun,
+    python_module,
+    run,
+    train_args,
+)
 
 from partial_fc_mx.backbones import get_model, graph_of
 from partial_fc_mx.backbones.summary import count_flops
@@ -23,7 +31,7 @@ from partial_fc_mx.backbones.vit import (
     drop_path,
 )
 from partial_fc_mx.config import Config, ConfigError
-from partial_fc_mx.run.precision import build_backbone
+from partial_fc_mx.run.precision import build_backbone, mixed_precision_graph
 
 ANCHOR_INIT = json.loads((Path(__file__).parent / "anchor_init.json").read_text())
 """arcface_torch's vit_t as it initialises it: [[name, mean, std], ...], recorded by
@@ -153,10 +161,11 @@ def test_a_vit_with_dropout_is_refused_by_name():
 
 def test_vit_t_trains_on_2_ranks_resumes_on_3_and_exports_an_onnx_model_that_matches(
         tmp_path, synthetic):
-    """The full-size vit_t under mpirun, in the 16-bit path where oneDNN runs bfloat16
-    (float32 elsewhere): a save after 2 steps of 2 x 8 images, a resume on 3 processes
-    (2 more steps of 3 x 8: the same 48 images), and backbone.onnx within 1e-4."""
-    keys, dtype = sixteen_bits()
+    """The full-size vit_t under mpirun with fp16=True, as its config asks: bfloat16
+    where the CPU computes it natively, float32 elsewhere; a save after 2 steps of
+    2 x 8 images, a resume on 3 processes (2 more steps of 3 x 8: the same 48 images),
+    and backbone.onnx within 1e-4."""
+    keys, dtype = {"fp16": True}, "bfloat16" if bfloat16_native() else "float32"
     work = tmp_path / "work"
     config = config_file(tmp_path, synthetic, network="vit_t", embedding_size=512,
                          batch_size=8, max_steps=2, **keys)
@@ -185,3 +194,22 @@ def test_vits_have_the_gflops_arcface_torch_names_them_by(name, published):
     _, macs = count_flops(net)
     decimals = len(published.partition(".")[2])
     assert f"{macs / 1e9:.{decimals}f}" == published
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name", ["vit_t", "vit_t_dp005_mask0"])
+def test_the_16_bit_graph_keeps_the_attention_and_layernorm_in_float32(name, dtype):
+    """What a GPU (float16) and a bfloat16 CPU train, built on any host: the patch
+    convolution and the dense layers in 16 bits; the attention's batch_dot, its
+    softmax and LayerNorm in float32, as arcface_torch computes them under autocast."""
+    graph = mixed_precision_graph(graph_of(get_model(name)), dtype)
+    internals = graph.get_internals()
+    _, types, _ = internals.infer_type(data="float32")
+    type_of = dict(zip(internals.list_outputs(), types))
+    computed: dict = {}
+    for node in json.loads(graph.tojson())["nodes"]:
+        if node["op"] in ("Convolution", "FullyConnected", "batch_dot", "softmax", "LayerNorm"):
+            computed.setdefault(node["op"], set()).add(
+                np.dtype(type_of[f"{node['name']}_output"]).itemsize)
+    assert computed["Convolution"] == computed["FullyConnected"] == {2}
+    assert computed["batch_dot"] == computed["softmax"] == computed["LayerNorm"] == {4}

@@ -95,7 +95,11 @@ class Attention(HybridBlock):
         self.proj = dense(dim, dim)
 
     def hybrid_forward(self, F, x, key_bias=None):
-        qkv = F.transpose(F.reshape(self.qkv(x), (0, 0, 3, HEADS, -1)), (2, 0, 3, 1, 4))
+        # float32 from here to the projection, as arcface_torch leaves autocast for the
+        # scores, softmax and weighted sum: AMP would run batch_dot in its inputs' 16
+        # bits (its lists offer no float32 rule for it); a no-op in a float32 graph
+        qkv = F.cast(self.qkv(x), dtype="float32")
+        qkv = F.transpose(F.reshape(qkv, (0, 0, 3, HEADS, -1)), (2, 0, 3, 1, 4))
         # explicit sizes, not MXNet's merge/split codes (-3, -4): ONNX has no such codes
         q, k, v = (F.reshape(part, (-1, TOKENS, self.dim // HEADS)) for part in
                    F.split(qkv, num_outputs=3, axis=0, squeeze_axis=True))  # (N heads) x L x d
@@ -170,9 +174,10 @@ class VisionTransformer(HybridBlock):
     def masked_tokens(F, x):
         """N x L x 1: 1 for the tokens this sample's training hides, 0 elsewhere (all 0
         in inference)."""
-        noise = F.random.uniform_like(F.slice_axis(x, axis=2, begin=0, end=1))
+        like = F.cast(F.slice_axis(x, axis=2, begin=0, end=1), dtype="float32")  # any
+        noise = F.random.uniform_like(like)  # dtype x has in a 16-bit graph: float32 here
         rank = F.argsort(F.argsort(noise, axis=1), axis=1)  # a random order per sample
-        return F.broadcast_mul(rank >= KEPT_TOKENS, training_indicator(F, x))
+        return F.broadcast_mul(rank >= KEPT_TOKENS, training_indicator(F, like))
 
     def hybrid_forward(self, F, x, training_ops: bool = True, *, pos_embed, mask_token):
         """`training_ops` False leaves masking and drop path out of the graph."""

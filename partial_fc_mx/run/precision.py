@@ -115,10 +115,6 @@ def mixed_precision_graph(graph: mx.sym.Symbol, dtype: str) -> mx.sym.Symbol:
     target = [*(ops.FP16_FUNCS if dtype == "float16" else ops.BF16_FUNCS)]
     fp32 = [*ops.FP32_FUNCS]
     (target if dtype == "float16" else fp32).append("LeakyReLU")
-    # a ViT's attention: AMP would run batch_dot in its inputs' type, the 16 bits of
-    # the qkv layer; arcface_torch computes scores, softmax and weighted sum in float32
-    # (its Attention leaves autocast), as LayerNorm and softmax are in AMP's lists
-    fp32.append("batch_dot")
     converted = amp.convert_symbol(graph, dtype, target_dtype_ops=target, fp32_ops=fp32,
                                    conditional_fp32_ops=conditional, data_names=["data"])
     if problem := low_precision_parameters(converted):
