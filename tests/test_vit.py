@@ -10,6 +10,7 @@ from pathlib import Path
 
 import mxnet as mx
 import numpy as np
+import onnx
 import pytest
 from conftest import (
     bfloat16_native,
@@ -26,11 +27,13 @@ from partial_fc_mx.backbones.summary import count_flops
 from partial_fc_mx.backbones.vit import (
     PATCH,
     TOKENS,
+    VIT_SIZES,
     VisionTransformer,
     ViTSize,
     drop_path,
 )
 from partial_fc_mx.config import Config, ConfigError
+from partial_fc_mx.run.export import OPSET
 from partial_fc_mx.run.precision import build_backbone, mixed_precision_graph
 
 ANCHOR_INIT = json.loads((Path(__file__).parent / "anchor_init.json").read_text())
@@ -182,6 +185,8 @@ def test_vit_t_trains_on_2_ranks_resumes_on_3_and_exports_an_onnx_model_that_mat
     exported = run(python_module("export", str(work)))
     assert exported.returncode == 0, exported.stdout[-2000:]  # parity within 1e-4
     assert exported.stdout.startswith(f"wrote {work / 'backbone.onnx'}; onnxruntime against")
+    declared = {o.domain: o.version for o in onnx.load(str(work / "backbone.onnx")).opset_import}
+    assert declared[""] == OPSET  # LayerNorm's ReduceMean as the converters write it
 
 
 @pytest.mark.parametrize("name, published", [
@@ -201,7 +206,8 @@ def test_vits_have_the_gflops_arcface_torch_names_them_by(name, published):
 def test_the_16_bit_graph_keeps_the_attention_and_layernorm_in_float32(name, dtype):
     """What a GPU (float16) and a bfloat16 CPU train, built on any host: the patch
     convolution and the dense layers in 16 bits; the attention's batch_dot, its
-    softmax and LayerNorm in float32, as arcface_torch computes them under autocast."""
+    softmax and LayerNorm in float32, as arcface_torch leaves autocast for them (it
+    also keeps its patch convolution and feature head in float32: docs/training.md)."""
     graph = mixed_precision_graph(graph_of(get_model(name)), dtype)
     internals = graph.get_internals()
     _, types, _ = internals.infer_type(data="float32")
@@ -213,3 +219,80 @@ def test_the_16_bit_graph_keeps_the_attention_and_layernorm_in_float32(name, dty
                 np.dtype(type_of[f"{node['name']}_output"]).itemsize)
     assert computed["Convolution"] == computed["FullyConnected"] == {2}
     assert computed["batch_dot"] == computed["softmax"] == computed["LayerNorm"] == {4}
+
+
+def numpy_vit(net: VisionTransformer, x: np.ndarray, hidden: np.ndarray) -> np.ndarray:
+    """arcface_torch's forward in training, written out in NumPy: only the kept tokens
+    (`hidden` False) enter the blocks, the mask token fills the hidden ones after the
+    final LayerNorm, the head's BatchNorms use the batch's statistics (drop path off)."""
+    value = {p.name: p.data().asnumpy() for p in net.collect_params().values()}
+
+    def get(block, name):
+        return value[block.prefix + name]
+
+    def layer_norm(t, block):
+        mean, var = t.mean(-1, keepdims=True), t.var(-1, keepdims=True)
+        return (t - mean) / np.sqrt(var + 1e-5) * get(block, "gamma") + get(block, "beta")
+
+    def dense(t, block):
+        out = t @ get(block, "weight").T
+        return out + get(block, "bias") if block.bias is not None else out
+
+    def batch_norm(z, block):
+        return ((z - z.mean(0)) / np.sqrt(z.var(0) + 2e-5) * get(block, "gamma")
+                + get(block, "beta"))
+
+    n, width, side = x.shape[0], net.size.embed, 12 * PATCH
+    patches = x[:, :, :side, :side].reshape(n, 3, 12, PATCH, 12, PATCH)
+    patches = patches.transpose(0, 2, 4, 1, 3, 5).reshape(n, TOKENS, -1)
+    conv = net.patch_embed
+    tokens = (patches @ get(conv, "weight").reshape(width, -1).T + get(conv, "bias")
+              + get(net, "pos_embed")[0])
+    rows = []
+    for sample in range(n):
+        keep = np.flatnonzero(~hidden[sample])
+        t, heads, d = tokens[sample, keep], 8, width // 8
+        for block in net.blocks:
+            q, k, v = (layer_norm(t, block.norm1) @ get(block.attn.qkv, "weight").T).reshape(
+                len(keep), 3, heads, d).transpose(1, 2, 0, 3)
+            scores = q @ k.transpose(0, 2, 1) * d ** -0.5
+            weights = np.exp(scores - scores.max(-1, keepdims=True))
+            weights /= weights.sum(-1, keepdims=True)
+            t = t + dense((weights @ v).transpose(1, 0, 2).reshape(len(keep), width),
+                          block.attn.proj)
+            hidden_layer = np.clip(dense(layer_norm(t, block.norm2), block.mlp.fc1), 0, 6)
+            t = t + dense(hidden_layer, block.mlp.fc2)
+        full = np.repeat(get(net, "mask_token")[0], TOKENS, 0)
+        full[keep] = layer_norm(t, net.norm)
+        rows.append(full.reshape(-1))
+    first, first_bn, second, second_bn = net.feature
+    features = batch_norm(np.stack(rows) @ get(first, "weight").T, first_bn)
+    return batch_norm(features @ get(second, "weight").T, second_bn)
+
+
+def test_training_computes_arcface_torchs_forward_over_the_kept_tokens():
+    """The in-place masking equals the anchor's gathered sequence. Weights large enough
+    that ReLU6 clips and the attention's scale matters; LayerNorm and BatchNorm
+    parameters away from 1 and 0."""
+    mx.random.seed(0)
+    net = tiny_vit()
+    rng = np.random.RandomState(0)
+    for param in net.collect_params().values():
+        if param.name.endswith(("gamma", "beta", "bias", "mask_token")):
+            param.set_data(mx.nd.array(rng.uniform(0.5, 1.5, param.shape)))
+        elif param.name.endswith("weight") and param.shape[0] in (48, 64):  # qkv, fc1
+            param.set_data(mx.nd.array(rng.normal(0, 1.0, param.shape)))
+    x = mx.nd.random.uniform(-1, 1, (4, 3, 112, 112))
+    hidden = patch_gradients(net, x, train=True) == 0
+    mx.random.seed(5)  # the draws patch_gradients made
+    with mx.autograd.record(train_mode=True):
+        ours = net(x).asnumpy()
+    reference = numpy_vit(net, x.asnumpy(), hidden)
+    assert np.abs(ours - reference).max() < 1e-4 * np.abs(reference).max()
+
+
+def test_the_drop_path_rate_grows_linearly_over_the_blocks():
+    for name in ("vit_t", "vit_b_dp005_mask_005", "vit_h"):
+        size, net = VIT_SIZES[name], get_model(name)
+        rates = [block.drop_path_rate for block in net.blocks]
+        assert np.allclose(rates, np.linspace(0, size.drop_path, size.depth)), name

@@ -4,7 +4,7 @@ tokens, the last 4 rows and columns unused), a learned position embedding, pre-n
 blocks (LayerNorm -> 8-head attention without a qkv bias -> drop path; LayerNorm ->
 MLP with ReLU6 -> drop path), a final LayerNorm, and a feature head over all tokens
 (Linear(144 E -> E) -> BN -> Linear(E -> 512) -> BN). Parameter for parameter the
-anchor's shapes and initialisation (tests/test_backbones.py).
+anchor's shapes (tests/test_backbones.py) and initialisation (tests/test_vit.py).
 
 Training only, as in the anchor:
   - drop path: each block's branch is dropped per sample with a rate growing linearly
@@ -17,7 +17,8 @@ Training only, as in the anchor:
 arcface_torch gathers the kept tokens into a shorter sequence; one MXNet graph serves
 training and inference here, so the masked tokens stay in place and no query attends
 to them (their keys' scores get -1e9 before the softmax: weight 0, gradient 0), and
-their outputs are replaced: the same numbers, for 144/129 of the attention's work.
+their outputs are replaced: the same numbers, for 144/129 of the per-token layers'
+work and (144/129)^2 of the attention's two batch_dots.
 Both draw from MXNet's generator (Dropout with cudnn_off, uniform noise), which
 train.py seeds per step: a resumed run draws the masks the uninterrupted one drew.
 The inference graph (`net(data, False)`: backbone-symbol.json, ONNX) has neither.
@@ -180,7 +181,9 @@ class VisionTransformer(HybridBlock):
         return F.broadcast_mul(rank >= KEPT_TOKENS, training_indicator(F, like))
 
     def hybrid_forward(self, F, x, training_ops: bool = True, *, pos_embed, mask_token):
-        """`training_ops` False leaves masking and drop path out of the graph."""
+        """`training_ops` False leaves masking and drop path out of the graph: only
+        when called on a symbol (graph_of); a hybridized call with arrays takes arrays
+        only, and gets the training graph, whose operators follow the mode."""
         tokens = F.transpose(F.reshape(self.patch_embed(x), (0, 0, -1)), (0, 2, 1))
         tokens = F.broadcast_add(tokens, pos_embed)
         masks = training_ops and self.size.masks

@@ -297,7 +297,7 @@ def save_backbone(net, prefix: str | os.PathLike, record: dict | None = None) ->
 
     The graph comes from calling `net` on a symbol, not from the graph cached by a
     forward pass (net.export's): the float32 network of a mixed-precision run never
-    runs forward, and its graph has no casts for ONNX to choke on, nor a ViT's
+    runs forward, and its graph has no AMP casts for ONNX to choke on, nor a ViT's
     training-only operators."""
     prefix = Path(prefix)
     tmp = prefix.with_name(f".{prefix.name}.partial")

@@ -13,6 +13,7 @@ import os
 import statistics
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,10 +80,11 @@ fit, and it does not change with the onnx version."""
 
 
 @contextlib.contextmanager
-def opset(version: int):
+def opset(version: int) -> Iterator[None]:
     """mx.onnx.export_model writing for `version`: it has no argument for it (it asks
     onnx.defs.onnx_opset_version), and it checks its graph against the checker's
-    default context, which is set to the newest opset too."""
+    default context, which is set to the newest opset too. Process-wide while it lasts:
+    exports run one at a time (the background export is a process of its own)."""
     import onnx.checker
 
     newest, context = onnx.defs.onnx_opset_version, onnx.checker.DEFAULT_CONTEXT
