@@ -72,4 +72,10 @@ class MobileFaceNet(HybridBlock):
     def hybrid_forward(self, F, x):
         flatten, dropout, dense, batch_norm = self.head
         embedding = dense(dropout(flatten(self.features(x))))
-        return F.flatten(batch_norm(F.reshape(embedding, (0, -1, 1, 1))))
+        return column_batch_norm(F, batch_norm, embedding)
+
+
+def column_batch_norm(F, batch_norm: nn.BatchNorm, matrix):
+    """`batch_norm` of an N x E matrix, through its N x E x 1 x 1 view (MobileFaceNet's
+    docstring: the oneDNN crash on the matrix itself); the ViTs' head uses it too."""
+    return F.flatten(batch_norm(F.reshape(matrix, (0, -1, 1, 1))))

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import mxnet as mx
 from mxnet.gluon import HybridBlock, nn
 
+from .mobilefacenet import column_batch_norm
+
 PATCH = 9
 IMAGE = 112
 TOKENS = (IMAGE // PATCH) ** 2
@@ -186,9 +188,10 @@ class VisionTransformer(HybridBlock):
         only, and gets the training graph, whose operators follow the mode."""
         tokens = F.transpose(F.reshape(self.patch_embed(x), (0, 0, -1)), (0, 2, 1))
         tokens = F.broadcast_add(tokens, pos_embed)
-        masks = training_ops and self.size.masks
-        hidden = self.masked_tokens(F, tokens) if masks else None
-        key_bias = F.reshape(hidden * HIDDEN_SCORE, (0, 1, 1, -1)) if masks else None
+        hidden = key_bias = None
+        if training_ops and self.size.masks:
+            hidden = self.masked_tokens(F, tokens)
+            key_bias = F.reshape(hidden * HIDDEN_SCORE, (0, 1, 1, -1))  # N x 1 x 1 x L
         for block in self.blocks:
             tokens = block(tokens, key_bias, training_ops)
         tokens = self.norm(tokens)
@@ -199,9 +202,6 @@ class VisionTransformer(HybridBlock):
                 hidden = F.zeros_like(F.slice_axis(tokens, axis=2, begin=0, end=1))
             tokens = F.broadcast_mul(tokens, 1 - hidden) + F.broadcast_mul(hidden, mask_token)
         first, first_bn, second, second_bn = self.feature
-        # the BatchNorms see N x E x 1 x 1 (MobileFaceNet's docstring: oneDNN's
-        # BatchNorm on the N x E matrix crashed at E = 512 on AVX-512)
-        features = first_bn(F.reshape(first(F.reshape(tokens, (0, -1))), (0, -1, 1, 1)))
-        embedding = second(F.flatten(features))
-        return F.flatten(second_bn(F.reshape(embedding, (0, -1, 1, 1))))
+        features = column_batch_norm(F, first_bn, first(F.reshape(tokens, (0, -1))))
+        return column_batch_norm(F, second_bn, second(features))
 
