@@ -28,9 +28,19 @@ def start(cmd: list[str], env: dict | None = None, cwd: Path = REPO) -> subproce
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     output = tempfile.TemporaryFile("w+")
     process = subprocess.Popen(cmd, cwd=cwd, env=full_env, text=True, start_new_session=True,
-                               stdout=output, stderr=subprocess.STDOUT)
+                               stdout=output, stderr=subprocess.STDOUT,
+                               preexec_fn=as_from_a_terminal)
     process.output = output
     return process
+
+
+def as_from_a_terminal() -> None:
+    """Ctrl-C and hang-ups reach the command as they would from a terminal, even when
+    the suite itself runs under nohup or in a background job (which ignore SIGHUP,
+    SIGINT): a shell cannot trap a signal that was ignored when it started, and the
+    stop tests would find run.sh deaf to them."""
+    for number in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(number, signal.SIG_DFL)
 
 
 def output_of(process: subprocess.Popen) -> str:

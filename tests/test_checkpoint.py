@@ -344,9 +344,10 @@ def test_a_step_already_there_is_moved_aside_and_leftovers_of_killed_saves_go(tm
 
 
 # ----- kill -9 during a save -----
-CRASH_LOOPS = int(os.environ.get("PFC_CRASH_LOOPS", "4"))
-"""Kills in the CI run; `PFC_CRASH_LOOPS=20 pytest tests/test_checkpoint.py -k kill` for
-the full loop (docs/tests.md)."""
+CRASH_LOOPS = int(os.environ.get("PFC_CRASH_LOOPS", "2"))
+"""Kills in the CI run (one rank, then the whole job);
+`PFC_CRASH_LOOPS=20 pytest tests/test_checkpoint.py -k kill` for the full loop
+(docs/tests.md)."""
 
 
 def wait_for_a_save_in_progress(work: Path, deadline: float) -> Path | None:

@@ -1,8 +1,9 @@
 """Every configuration in configs/ runs as written on 2 processes, scaled down only by
 overrides (a small synthetic dataset, few classes, a batch of 2 with the learning rate
-scaled to it, 3 steps): it trains 2 steps and saves, resumes for 1 more step, exports
-backbone.onnx (the ONNX checker runs in the export) matching the MXNet backbone in
-onnxruntime, and `eval` scores it on a small .bin. A new config file is covered
+scaled to it, 3 steps): it trains 2 steps and saves, resumes on 3 processes for the
+rest, exports backbone.onnx (the ONNX checker runs in the export; opset OPSET, as the
+converters write LayerNorm's ReduceMean) matching the MXNet backbone in onnxruntime,
+and `eval` scores it on a small .bin. A new config file is covered
 without editing this test.
 
 Each runs twice: on this CPU as it is, and with oneDNN capped at AVX2 (how an AMD Zen
@@ -30,6 +31,7 @@ import os
 import re
 from pathlib import Path
 
+import onnx
 import pytest
 from conftest import (
     ISA_CAPS,
@@ -46,7 +48,7 @@ from partial_fc_mx.backbones.iresnet import DEPTHS
 from partial_fc_mx.backbones.vit import VIT_SIZES
 from partial_fc_mx.config import Config, load_config
 from partial_fc_mx.prep.synthetic import prepare_synthetic
-from partial_fc_mx.run.export import parity
+from partial_fc_mx.run.export import OPSET, parity
 
 CONFIGS = sorted((REPO / "configs").glob("*.py"))
 BY_SIZE = ("tiny", "mobilefacenet", "mbf", "vit_t", "vit_t_dp005_mask0", "r18", "r34", "r50",
@@ -144,7 +146,7 @@ def test_config_trains_saves_resumes_exports_and_evaluates(config, cap, tmp_path
     assert first.returncode == 0, first.stdout[-4000:]
     saved = work / "checkpoints" / "step_000002"
     assert json.loads((saved / "meta.json").read_text())["step"] == 2
-    resumed = mpirun(2, python_module("train", str(config),
+    resumed = mpirun(3, python_module("train", str(config),
                                       *scaled_down(written, network, small_data, 3),
                                       "--work-dir", str(work), "--resume-from", str(work)),
                      timeout=900, env=env)
@@ -159,6 +161,8 @@ def test_config_trains_saves_resumes_exports_and_evaluates(config, cap, tmp_path
     for said in (first.stdout, resumed.stdout):  # MXNet's exporter is quiet
         assert "Exported ONNX file" not in said and ".partial" not in said
     assert parity(work) <= 1e-4
+    declared = {o.domain: o.version for o in onnx.load(str(work / "backbone.onnx")).opset_import}
+    assert declared[""] == OPSET
     evaluated = run(python_module("eval", "--model", str(work),
                                   "--bin", str(small_data / "synthetic_heldout.bin")), env=env)
     assert evaluated.returncode == 0, evaluated.stdout[-2000:]

@@ -38,12 +38,13 @@ SUPERVISED = {"CONFIG": str(CONFIG), "MAX_RESTARTS": "2", "RESTART_BACKOFF": "0"
               "STOP_GRACE": "20"}
 SRUN_WITH_TASKS = """#!/bin/sh
 # srun as the Slurm stop test sees it: a probe (`... true`) answers; a launch runs its -n
-# tasks on this host under mpirun; as srun (KillWait 2 x 10 s) it ends its tasks 20 s
-# after a SIGTERM, and hands SIGUSR1 to every task.
+# tasks on this host under mpirun; as srun with Slurm's default KillWait (30 s: Open
+# MPI's kill delay twice) it ends its tasks 30 s after a SIGTERM, and hands SIGUSR1 to
+# every task.
 echo "srun $*" >> "$SRUN_LOG"
 [ "$(eval echo \\${$#})" = true ] && exit 0
 while [ "$1" != bash ]; do [ "$1" = -n ] && tasks=$2; shift; done
-exec mpirun --allow-run-as-root --oversubscribe --mca odls_base_sigkill_timeout 10 \\
+exec mpirun --allow-run-as-root --oversubscribe --mca odls_base_sigkill_timeout 15 \\
   -np "$tasks" "$@"
 """
 
