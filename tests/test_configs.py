@@ -1,8 +1,8 @@
 """Every configuration in configs/ runs as written on 2 processes, scaled down only by
 overrides (a small synthetic dataset, few classes, a batch of 2 with the learning rate
 scaled to it, 3 steps): it trains 2 steps and saves, resumes on 3 processes for the
-rest, exports backbone.onnx (the ONNX checker runs in the export; opset OPSET, as the
-converters write LayerNorm's ReduceMean) matching the MXNet backbone in onnxruntime,
+rest, exports backbone.onnx (the ONNX checker runs in the export; its opset is export.OPSET,
+the one the converters write LayerNorm's ReduceMean for) matching the MXNet backbone in onnxruntime,
 and `eval` scores it on a small .bin. A new config file is covered
 without editing this test.
 
