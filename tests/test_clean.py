@@ -25,7 +25,9 @@ CLASSES, PER_CLASS, FLIPPED = 30, 10, 0.1
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory) -> dict:
     """30 synthetic identities x 10 images, 10% of each class's images filed under
-    another class (the study's generator), packed; a K = 3 run trained on them."""
+    another class (the study's generator), packed; a K = 3 run trained on them for 8
+    epochs (precision 1.0 and recall 0.70-0.90 over four data and noise seeds, where 25
+    epochs gave 0.60-0.80: the longer run starts to learn the wrong labels too)."""
     root = tmp_path_factory.mktemp("clean")
     prepare_synthetic(str(root / "clean"), CLASSES, per_class=PER_CLASS, heldout=10, pairs=50,
                       seed=3)
@@ -36,7 +38,7 @@ def planted(tmp_path_factory) -> dict:
     order = np.argsort(noisy, kind="stable")  # the packer wants labels grouped
     write_records(root / "noisy", ((int(noisy[i]), records[i].image) for i in order), CLASSES)
     config = config_file(root, root / "noisy", num_classes=CLASSES, batch_size=30,
-                         num_epoch=25, margin_list=(1.0, 0.5, 0.0), num_subcenters=3,
+                         num_epoch=8, margin_list=(1.0, 0.5, 0.0), num_subcenters=3,
                          frequent=50, save_every=0)
     work = root / "work"
     trained = run(python_module("train", str(config), "--work-dir", str(work)), timeout=600)

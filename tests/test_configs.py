@@ -13,12 +13,12 @@ and the log must say which.
 
 CI takes a shorter path: each network family (every IResNet depth is one, built by one
 function; test_backbones.py checks each depth's layers against arcface_torch's) and
-precision runs at full size once, in the first config (by file name) that has them; a
-later config with the same family and precision trains `tiny` in its place, everything
-else as written (margin, sampling, classes, schedule, fp16). Under the AVX2 cap each
-precision runs at full size once for the configs with fp16 = True and once for the
-others, in the one with the smallest network (then by file name), and the configs that
-would train `tiny` in its place do not run again (matrix()). The full matrix, every
+precision runs at full size once, in the config with the smallest network of them (then
+by file name: IResNet-50 stands for IResNet-100); the other configs with the same family
+and precision train `tiny` in its place, everything else as written (margin, sampling,
+classes, schedule, fp16). Under the AVX2 cap each precision runs at full size once for
+the configs with fp16 = True and once for the others, chosen the same way, and the
+configs that would train `tiny` in its place do not run again (matrix()). The full matrix, every
 config at its own network under both:
 
     PFC_FULL_MATRIX=1 .venv/bin/python -m pytest tests/test_configs.py --durations=0
@@ -82,8 +82,8 @@ def full_size_key(config: Config, env: dict):
 
 
 def order(config: Path) -> tuple:
-    """Which config comes first: by file name, and under the cap by network size first
-    (the cheapest runs what all of them would show)."""
+    """Which config comes first: the one with the smaller network, then by file name (the
+    cheapest runs what all of them would show)."""
     return (BY_SIZE.index(load_config(config).network.replace("iresnet", "r")), config.name)
 
 
@@ -91,9 +91,7 @@ def network_in_this_run(config: Path, env: dict) -> str:
     """The config's network, or in the shorter path `tiny` when an earlier config
     already runs at full size what this one would (full_size_key)."""
     written = load_config(config)
-    ahead = (lambda other: order(other) < order(config)) if env else \
-        (lambda other: other.name < config.name)
-    earlier = [load_config(other) for other in CONFIGS if ahead(other)]
+    earlier = [load_config(other) for other in CONFIGS if order(other) < order(config)]
     mine = full_size_key(written, env)
     if FULL_MATRIX or all(full_size_key(other, env) != mine for other in earlier):
         return written.network

@@ -1,7 +1,7 @@
 """The project's C++ operators for the CPU, built on first use and loaded into MXNet with
-its library API (`mx.library.load`), which then offers them as mx.nd.pfc_* and
-mx.sym.pfc_*: Partial FC's row passes (rows.cc) and the backbones' PReLU (prelu.cc),
-one library, with what both need in common.h.
+its library API (as `mx.library.load` does, without its cost: mxnet_library.py), which
+then offers them as mx.nd.pfc_* and mx.sym.pfc_*: Partial FC's row passes (rows.cc) and
+the backbones' PReLU (prelu.cc), one library, with what both need in common.h.
 
 They are compiled on the machine that runs them, once per version of their sources, headers
 and MXNet, into PARTIAL_FC_MX_KERNELS (default: kernels/ in the toolkit's cache
@@ -56,9 +56,11 @@ def load() -> None:
     """Build (where not yet built) and load the kernels into this process, once."""
     import mxnet as mx
 
+    from .mxnet_library import load_library
+
     library = build(mxnet_folder())
     try:
-        mx.library.load(str(library), verbose=False)
+        load_library(library)
     except mx.base.MXNetError as error:
         raise KernelBuildError(f"MXNet cannot load partial_fc_mx's CPU kernels from {library} "
                                f"({last_line(str(error))}): delete that file, it is built "
