@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import mxnet as mx
 from mxnet.gluon import HybridBlock, nn
 
+from .float32 import kept_in_float32
 from .mobilefacenet import column_batch_norm
 
 PATCH = 9
@@ -186,7 +187,9 @@ class VisionTransformer(HybridBlock):
         """`training_ops` False leaves masking and drop path out of the graph: only
         when called on a symbol (graph_of); a hybridized call with arrays takes arrays
         only, and gets the training graph, whose operators follow the mode."""
-        tokens = F.transpose(F.reshape(self.patch_embed(x), (0, 0, -1)), (0, 2, 1))
+        with kept_in_float32():  # the anchor's patch convolution and head: float32.py
+            patches = self.patch_embed(x)
+        tokens = F.transpose(F.reshape(patches, (0, 0, -1)), (0, 2, 1))
         tokens = F.broadcast_add(tokens, pos_embed)
         hidden = key_bias = None
         if training_ops and self.size.masks:
@@ -202,6 +205,7 @@ class VisionTransformer(HybridBlock):
                 hidden = F.zeros_like(F.slice_axis(tokens, axis=2, begin=0, end=1))
             tokens = F.broadcast_mul(tokens, 1 - hidden) + F.broadcast_mul(hidden, mask_token)
         first, first_bn, second, second_bn = self.feature
-        features = column_batch_norm(F, first_bn, first(F.reshape(tokens, (0, -1))))
-        return column_batch_norm(F, second_bn, second(features))
+        with kept_in_float32():
+            features = column_batch_norm(F, first_bn, first(F.reshape(tokens, (0, -1))))
+            return column_batch_norm(F, second_bn, second(features))
 

@@ -28,6 +28,7 @@ import mxnet as mx
 import numpy as np
 
 from ..backbones import get_model, graph_of
+from ..backbones.float32 import float32_operators
 from ..data.transforms import FACE_SIZE
 from ..errors import UserError
 from ..pfc.threads import rank_threads
@@ -101,7 +102,8 @@ def training_model(net: mx.gluon.HybridBlock, ctx: mx.Context,
 
 def mixed_precision_graph(graph: mx.sym.Symbol, dtype: str) -> mx.sym.Symbol:
     """`graph` (input "data") with AMP's casts: convolutions and dense layers (and, in
-    float16, PReLU) compute in `dtype`; every parameter stays a float32 input."""
+    float16, PReLU) compute in `dtype`, except those the backbone keeps in float32
+    (backbones/float32.py); every parameter stays a float32 input."""
     from mxnet.contrib import amp
     from mxnet.contrib.amp import lists
 
@@ -116,7 +118,8 @@ def mixed_precision_graph(graph: mx.sym.Symbol, dtype: str) -> mx.sym.Symbol:
     fp32 = [*ops.FP32_FUNCS]
     (target if dtype == "float16" else fp32).append("LeakyReLU")
     converted = amp.convert_symbol(graph, dtype, target_dtype_ops=target, fp32_ops=fp32,
-                                   conditional_fp32_ops=conditional, data_names=["data"])
+                                   conditional_fp32_ops=conditional, data_names=["data"],
+                                   excluded_sym_names=float32_operators(graph))
     if problem := low_precision_parameters(converted):
         raise PrecisionError(problem)
     return converted
