@@ -26,15 +26,28 @@ def operator_names() -> set[str]:
 
 def load_library(library: Path) -> list[str]:
     """Load `library` (an absolute path) into MXNet; return the operators it added, now
-    mx.nd.NAME and mx.sym.NAME (and in mx.nd.op and mx.sym.op, as MXNet's own)."""
+    mx.nd.NAME and mx.sym.NAME (and in mx.nd.op and mx.sym.op, as MXNet's own), or, for
+    a name with a leading underscore (a backward operator), in their `_internal`."""
     import mxnet as mx
-    from mxnet.base import _LIB, OpHandle, c_str, check_call, mx_uint
+    from mxnet.base import (
+        _LIB,
+        OpHandle,
+        _get_op_name_prefix,
+        _is_np_op,
+        c_str,
+        check_call,
+        mx_uint,
+    )
     from mxnet.ndarray.register import _make_ndarray_function
     from mxnet.symbol.register import _make_symbol_function
 
     before = operator_names()
     check_call(_LIB.MXLoadLib(c_str(str(library)), mx_uint(0)))  # 0: not verbose
     added = sorted(operator_names() - before)
+    if routed := [name for name in added if _get_op_name_prefix(name) or _is_np_op(name)]:
+        raise ValueError(f"{library} adds operators that MXNet offers in its contrib, linalg, "
+                         f"sparse, image, random or numpy modules, which this loader does "
+                         f"not place: {routed}")
     for name in added:
         for module, make in ((mx.ndarray, _make_ndarray_function),
                              (mx.symbol, _make_symbol_function)):
@@ -42,7 +55,8 @@ def load_library(library: Path) -> list[str]:
             check_call(_LIB.NNGetOpHandle(c_str(name), ctypes.byref(handle)))
             function = make(handle, name, name)
             function.__module__ = module.__name__.split(".")[-1]
-            setattr(module.op, name, function)
-            module.op.__all__.append(name)
-            setattr(module, name, function)
+            places = (module._internal,) if name.startswith("_") else (module.op, module)
+            for place in places:
+                setattr(place, name, function)
+            places[0].__all__.append(name)
     return added
