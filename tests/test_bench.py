@@ -215,18 +215,20 @@ def test_train_bench_prints_each_configuration_before_a_later_one_fails():
     assert "use at least" in result.stdout  # the refusal of the second one
 
 
-def test_the_memory_estimate_matches_the_resident_memory_of_training():
+@pytest.mark.parametrize("network", ["r50", "vit_t"])
+def test_the_memory_estimate_matches_the_resident_memory_of_training(network):
     """The preflight's estimate (memory.py: weights, gradients, momentum, activations at
-    the batch, Partial FC) against what a real r50 training process grows by; r50 and
-    r100 at batch 8 and 32 are in docs/benchmarks.md."""
-    result = run([sys.executable, "-m", "partial_fc_mx.bench", "train", "--networks", "r50",
+    the batch, Partial FC) against what a real training process grows by, for a
+    convolutional network and a transformer (whose estimate, when every output counted
+    twice, was 4 times too high); more networks and batches are in docs/benchmarks.md."""
+    result = run([sys.executable, "-m", "partial_fc_mx.bench", "train", "--networks", network,
                   "--classes", "1000", "--heads", "pfc", "--batch-size", "8", "--steps", "1",
                   "--warmup", "0"], timeout=300)
     assert result.returncode == 0, result.stdout[-3000:]
     found = re.search(r"memory: estimate ([\d.]+) GiB, RSS growth ([\d.]+) GiB \(x([\d.]+)\)",
                       result.stdout)
     assert found, result.stdout[-3000:]
-    assert float(found.group(1)) > 1.0  # the backbone counted, not Partial FC's few MiB alone
+    assert float(found.group(1)) > 0.4  # the backbone counted, not Partial FC's few MiB alone
     assert 0.75 <= float(found.group(3)) <= 1.25, found.group(0)
 
 

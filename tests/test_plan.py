@@ -31,7 +31,7 @@ def test_the_plan_counts_the_memory_the_preflight_estimates(changes, device, dty
     run_config = config(**changes)
     room = {"gpu_memory": 80.0} if device == "gpu" else {"host_memory": 24.0}
     plan = make_plan(run_config, 3, **room)
-    assert plan.memory == estimate_run_memory(run_config, 3, 0, dtype)
+    assert plan.memory == estimate_run_memory(run_config, 3, 0, dtype, device)
     assert sum(plan.parts().values()) == plan.memory.total
     assert all(size >= 0 for size in plan.parts().values()), plan.parts()
     # 2,000,000 / 3 -> rank 0 holds 666,667 rows of 128 columns
@@ -55,7 +55,7 @@ def test_the_fewest_gpus_fit_and_one_fewer_does_not():
 
 def test_processes_sharing_a_host_each_get_their_share():
     """Four processes on one host split its memory: the host needs four ranks' worth."""
-    need = make_plan(config(), 4, gpu_memory=80.0).memory.total
+    need = make_plan(config(), 4, host_memory=1000.0).memory.total  # a CPU's estimate
     assert make_plan(config(), 4, host_memory=1.01 * 4 * need / GiB).fits
     short = make_plan(config(), 4, host_memory=0.99 * 4 * need / GiB)
     assert short.available < need and not short.fits

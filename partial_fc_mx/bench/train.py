@@ -144,7 +144,11 @@ def bench_config(world: dist.World, network: str, batch: int, num_classes: int, 
     try:
         with PeakRSS() as memory:
             result = measure_config(world, network, batch, num_classes, head, args)
-        if "estimate" in result:
+        if estimated := result.pop("estimate_of", None):  # outside the window: the
+            # estimate's planner binds an executor (memory.planned_bytes)
+            config, dtype, device = estimated
+            result["estimate"] = estimate_run_memory(config, world.size, world.rank, dtype,
+                                                     device).total
             result["rss_growth"] = memory.peak - memory.start
         return result
     finally:
@@ -176,8 +180,7 @@ def measure_config(world: dist.World, network: str, batch: int, num_classes: int
     mx.nd.waitall()
     startup = time.perf_counter() - start
     if head == "pfc":  # for the backbone's precision, which start-up chose
-        result["estimate"] = estimate_run_memory(config, world.size, world.rank,
-                                                 job.precision.dtype).total
+        result["estimate_of"] = (config, job.precision.dtype, job.ctx.device_type)
     batches = on_device(job.loader.epoch(0), job.ctx)
     seconds = [synchronized_seconds(lambda: train.train_step(job, next(batches), 0.01))
                for _ in range(args.warmup + args.steps)][args.warmup:]

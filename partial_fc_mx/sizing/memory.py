@@ -1,21 +1,31 @@
-"""One training process's memory, estimated before anything is allocated: the backbone
+"""One training process's memory, estimated before anything is computed: the backbone
 (weights, gradients, optimizer states, activations at the batch) and Partial FC
 (pfc_memory.py). The preflight compares it with the free memory of each
 process's GPU, or its share of the host's RAM.
 
-The backbone's part is read from its graph: parameter shapes, and the shape and type
-of every operator's output at the configured batch (in 16 bits where the
-mixed-precision graph computes in 16 bits), from MXNet's shape and type inference;
-nothing is allocated. Training keeps the forward outputs the backward needs and a
-gradient buffer beside each, so the activations are counted twice. Measured against
-the resident memory of real runs on the CPU (docs/benchmarks.md, `bench train`):
-within 8% for r50 and r100 in float32 at batch 8 and 32; MobileFaceNet holds 32% more,
-the bfloat16 graph of a CPU host 23-41% less. Not measured on a GPU (none of MXNet's wheels runs on
-the GPUs this project was lent).
+The backbone's weights are read from its graph's parameter shapes. Its activations
+(every operator output and gradient of a forward and backward, in 16 bits where the
+mixed-precision graph computes in 16 bits) are what MXNet's own memory planner gives
+them, sharing buffers whose lifetimes do not overlap: an executor bound on the CPU
+at two small batches, never run (planned_bytes), extended linearly to the configured
+batch. On a CPU, oneDNN keeps one more copy of each convolution's, BatchNorm's and
+PReLU's output in its blocked layout, outside the planner's buffers: counted too.
+Measured against the resident memory of real float32 runs on the CPU (`bench train`,
+2026-12-03, docs/benchmarks.md), the processes grew by 1.00-1.06x the estimate for
+r18 and r50, 1.07-1.11x for vit_t and vit_s at batches 8-32, and 1.34x for
+MobileFaceNet (its depthwise convolutions' oneDNN buffers). Counting every output
+twice, the rule before, held the IResNets within 8% and over-counted a ViT 4 times
+(the planner shares its reshapes', scalings' and softmax's buffers). The 16-bit
+graphs' estimate is the planner's too, not measured since this rule (a bfloat16 r50
+held 0.6-0.8x the old rule's estimate); nor on a GPU (none of MXNet's wheels runs
+on the GPUs this project was lent), where oneDNN's copies are not counted.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import re
 from dataclasses import dataclass
 
 import mxnet as mx
@@ -29,8 +39,15 @@ from .pfc_memory import PartialFCMemory, estimate_memory
 
 GiB = 2**30
 
-KEPT_PER_ACTIVATION = 2
-"""Each forward output is kept for the backward, with a gradient buffer of its size."""
+PLANNED_BATCHES = (8, 16)
+"""The batches MXNet's planner is asked about: its buffers grow linearly with the batch
+beside a fixed part (a 16-bit graph's casts of the weights), and an executor bound at
+the configured batch would reserve that much address space."""
+
+ONEDNN_COPIES = {"Convolution", "BatchNorm", "LeakyReLU"}
+"""Operators whose outputs oneDNN keeps a second copy of on a CPU (r18 at batch 16:
+96 MB an image resident with oneDNN, 61 MB with MXNET_MKLDNN_ENABLED=0, 48 MB
+planned)."""
 
 
 @dataclass(frozen=True)
@@ -60,14 +77,16 @@ class RunMemory:
 
 CLOSE = 0.8
 """A run estimated to take more of the free memory than this is said to be close: the
-estimate is within 8% for IResNets in float32 but 32% short for MobileFaceNet
+processes measured grew by up to 11% more than estimated, MobileFaceNet by 34%
 (docs/benchmarks.md)."""
 
 
-def estimate_run_memory(config: Config, world_size: int, rank: int, dtype: str) -> RunMemory:
+def estimate_run_memory(config: Config, world_size: int, rank: int, dtype: str,
+                        device: str = "cpu") -> RunMemory:
     """What rank `rank` of `world_size` needs for `config` with the backbone computing
-    in `dtype` (cpu_precision.py)."""
-    return RunMemory(backbone_memory(config, dtype), partial_fc_memory(config, world_size, rank))
+    in `dtype` (cpu_precision.py) on `device` ("cpu" or "gpu")."""
+    return RunMemory(backbone_memory(config, dtype, device),
+                     partial_fc_memory(config, world_size, rank))
 
 
 def partial_fc_memory(config: Config, world_size: int, rank: int) -> PartialFCMemory:
@@ -80,7 +99,7 @@ def partial_fc_memory(config: Config, world_size: int, rank: int) -> PartialFCMe
         config.interclass_filtering_threshold > 0)
 
 
-def backbone_memory(config: Config, dtype: str) -> BackboneMemory:
+def backbone_memory(config: Config, dtype: str, device: str = "cpu") -> BackboneMemory:
     """Gradients and optimizer states only for the parameters that learn: a parameter
     without a gradient (the embedding BatchNorm's fixed scale) has neither."""
     net = get_model(config.network, config.embedding_size, config.dropout)
@@ -96,18 +115,48 @@ def backbone_memory(config: Config, dtype: str) -> BackboneMemory:
     statistics = sum(int(np.prod(shape)) for shape in auxiliary)
     states = optimizer_states(config)
     return BackboneMemory(4 * (sum(sizes.values()) + statistics), 4 * trainable,
-                          4 * states * trainable, KEPT_PER_ACTIVATION * output_bytes(graph, data))
+                          4 * states * trainable, activation_bytes(graph, data, device))
 
 
-def output_bytes(graph: mx.sym.Symbol, data: tuple) -> int:
-    """Bytes of every operator's output in `graph` for an input of shape `data`."""
+def activation_bytes(graph: mx.sym.Symbol, data: tuple, device: str) -> int:
+    """What a forward and backward of `graph` on an input of shape `data` holds beside
+    the weights: the planner's buffers at the batch (linear through PLANNED_BATCHES)
+    and, on a CPU, oneDNN's copies."""
+    small, large = (planned_bytes(graph, (batch, *data[1:])) for batch in PLANNED_BATCHES)
+    per_image = (large - small) / (PLANNED_BATCHES[1] - PLANNED_BATCHES[0])
+    fixed = max(small - per_image * PLANNED_BATCHES[0], 0)
+    copies = output_bytes(graph, data, ONEDNN_COPIES) if device == "cpu" else 0
+    return int(fixed + per_image * data[0]) + copies
+
+
+def planned_bytes(graph: mx.sym.Symbol, data: tuple) -> int:
+    """The bytes MXNet's memory planner gives a forward and backward of `graph`: an
+    executor bound on the CPU, never run, reports them ("Total N MB allocated"). Its
+    weights and buffers are reserved, not written: 0.2-0.5 s and under 130 MiB resident
+    for r200 and vit_l at batch 16."""
+    verbose = os.environ.get("MXNET_SUBGRAPH_VERBOSE")
+    os.environ["MXNET_SUBGRAPH_VERBOSE"] = "0"  # no "Subgraph backend ..." line per bind
+    try:
+        executor = graph.simple_bind(mx.cpu(), data=data, grad_req="write")
+        report = executor.debug_str()
+        del executor
+    finally:
+        if verbose is None:
+            del os.environ["MXNET_SUBGRAPH_VERBOSE"]
+        else:
+            os.environ["MXNET_SUBGRAPH_VERBOSE"] = verbose
+    return sum(int(mb) for mb in re.findall(r"Total (\d+) MB allocated", report)) * 2**20
+
+
+def output_bytes(graph: mx.sym.Symbol, data: tuple, operators: set[str]) -> int:
+    """Bytes of the outputs of `graph`'s `operators` for an input of shape `data`."""
     internals = graph.get_internals()
     _, shapes, _ = internals.infer_shape(data=data)
     _, types, _ = internals.infer_type(data="float32")
-    variables = {*graph.list_arguments(), *graph.list_auxiliary_states()}
-    return sum(int(np.prod(shape)) * np.dtype(kind).itemsize
-               for name, shape, kind in zip(internals.list_outputs(), shapes, types)
-               if name not in variables)
+    size = {name: int(np.prod(shape)) * np.dtype(kind).itemsize
+            for name, shape, kind in zip(internals.list_outputs(), shapes, types)}
+    return sum(size[f"{node['name']}_output"] for node in json.loads(graph.tojson())["nodes"]
+               if node["op"] in operators)
 
 
 def optimizer_states(config: Config) -> int:

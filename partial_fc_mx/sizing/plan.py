@@ -125,7 +125,7 @@ def make_plan(config: Config, world_size: int | None, *, gpu_memory: float | Non
     if world_size is not None and world_size < 1:
         raise ConfigError(f"the number of GPUs (processes) must be >= 1 (got {world_size})")
     device = "gpu" if gpu_memory is not None else "cpu"
-    backbone = backbone_memory(config, backbone_dtype(config, device))
+    backbone = backbone_memory(config, backbone_dtype(config, device), device)
 
     def available(size: int) -> int:
         return int(memory * GiB) // (1 if device == "gpu" else size)

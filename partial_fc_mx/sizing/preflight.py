@@ -74,7 +74,8 @@ def run_check(config: Config | None, checkpoint: str | None = None,
         precision = agreed_precision(config, ctx, mine)
         try:
             need = estimate_run_memory(config, world.size, world.rank,
-                                       precision.dtype if precision else "float32")
+                                       precision.dtype if precision else "float32",
+                                       ctx.device_type)
         except (UserError, mx.base.MXNetError) as error:
             mine.append(f"cannot estimate the memory of this run: {error}")
     free, memory_problems = free_memory(ctx, world.local_size)
