@@ -1,7 +1,8 @@
 """ONNX backbones as arcface_torch's torch2onnx.py writes them, built with onnx's helper
 API and random weights, for the import tests (no torch here).
 
-Written from arcface_torch's own definitions (backbones/iresnet.py, mobilefacenet.py):
+Written from arcface_torch's own definitions (backbones/iresnet.py, mobilefacenet.py,
+vit.py):
 layer order, strides, groups, a PReLU slope per channel; names as torch's exporter
 gives them (module paths for the weights it keeps, onnx::Conv_N for those it folds).
 In eval mode the exporter folds every BatchNorm that follows a convolution into it
@@ -212,6 +213,103 @@ def mobilefacenet(path: Path, scale: int = 2, embedding: int = 512, seed: int = 
     x = g.node("MatMul", "/features/layers.2", [x, g.anonymous("MatMul", linear.T)])
     x = g.norm(x, "features.layers.3", embedding)
     return g.save(path, "data", x, embedding)
+
+
+def vit(path: Path, dynamo: bool, embed: int = 256, depth: int = 12, heads: int = 8,
+        embedding: int = 512, seed: int = 0, norm_eps: float = EPS) -> Path:
+    """arcface_torch's VisionTransformer (get_model("vit_t"): width 256, depth 12) as its
+    eval-mode export writes it: the 9 x 9 patch convolution with a bias, the position
+    embedding added, each block's pre-norm attention (qkv without a bias, the heads by
+    Reshape/Transpose/Gather, scores scaled after the product) and ReLU6 MLP (Clip),
+    the final LayerNorm, the head over all 144 tokens: Linear, BatchNorm1d (eps 2e-5),
+    Linear, BatchNorm1d. `dynamo` False: the TorchScript exporter at opset 11, each
+    LayerNorm spelled out (ReduceMean ... Add) and the head's BatchNorms kept; True: the
+    dynamo exporter's opset 18, LayerNormalization nodes and the head's BatchNorms
+    folded into its fully connected layers (Gemm with a bias). `norm_eps`: the
+    LayerNorms' epsilon (ours: 1e-5)."""
+    g, tokens, width = Graph(seed, folded=dynamo), 144, embed // heads
+
+    def constant(path: str, value) -> str:
+        name = f"{path}/Constant_output_0"
+        g.nodes.append(helper.make_node("Constant", [], [name], name=f"{path}/Constant",
+                                        value=numpy_helper.from_array(np.asarray(value))))
+        return name
+
+    def layer_norm(x: str, module: str) -> str:
+        gamma = g.const(f"{module}.weight", g.rng.uniform(0.5, 1.5, embed))
+        beta = g.const(f"{module}.bias", g.rng.normal(0, 0.1, embed))
+        path = scope(module)
+        if dynamo:
+            return g.node("LayerNormalization", path, [x, gamma, beta], axis=-1,
+                          epsilon=norm_eps)
+        mean = g.node("ReduceMean", path, [x], axes=[-1])
+        centered = g.node("Sub", path, [x, mean])
+        squared = g.node("Pow", path, [centered, constant(f"{path}/pow", np.float32(2))])
+        variance = g.node("ReduceMean", f"{path}/var", [squared], axes=[-1])
+        shifted = g.node("Add", path, [variance, constant(f"{path}/eps",
+                                                          np.float32(norm_eps))])
+        deviation = g.node("Sqrt", path, [shifted])
+        scaled = g.node("Mul", path, [g.node("Div", path, [centered, deviation]), gamma])
+        return g.node("Add", f"{path}/beta", [scaled, beta])
+
+    def linear(x: str, module: str, cin: int, cout: int, bias: bool = True) -> str:
+        weight = g.rng.normal(0, 0.02, (cout, cin))
+        y = g.node("MatMul", scope(module), [x, g.anonymous("MatMul", weight.T)])
+        if bias:
+            y = g.node("Add", scope(module), [g.const(f"{module}.bias",
+                                                       g.rng.normal(0, 0.1, cout)), y])
+        return y
+
+    def head(x: str, module: str, norm: str, cin: int, cout: int) -> str:
+        weight = g.rng.normal(0, np.sqrt(1.0 / cin), (cout, cin))
+        values = g.norm_values(cout)
+        if not dynamo:
+            x = g.node("MatMul", scope(module), [x, g.anonymous("MatMul", weight.T)])
+            return g.node("BatchNormalization", scope(norm), [x, *(
+                g.const(f"{norm}.{k}", values[k]) for k in
+                ("weight", "bias", "running_mean", "running_var"))], epsilon=2e-5)
+        k = values["weight"] / np.sqrt(values["running_var"] + 2e-5)
+        return g.node("Gemm", scope(module), [
+            x, g.const(f"{module}.weight", weight * k[:, None]),
+            g.const(f"{module}.weight_bias", values["bias"] - values["running_mean"] * k)],
+            transB=1)
+
+    fan_in = 3 * 81
+    x = g.node("Conv", "/patch_embed/proj", [
+        "data", g.const("patch_embed.proj.weight",
+                        g.rng.uniform(-1, 1, (embed, 3, 9, 9)) / np.sqrt(fan_in)),
+        g.const("patch_embed.proj.bias", g.rng.uniform(-1, 1, embed) / np.sqrt(fan_in))],
+        kernel_shape=[9, 9], strides=[9, 9], pads=[0] * 4)
+    x = g.node("Reshape", "/patch_embed", [x, g.anonymous("Reshape", np.array([0, embed, -1]))])
+    x = g.node("Transpose", "/patch_embed", [x], perm=[0, 2, 1])
+    x = g.node("Add", "", [x, g.const("pos_embed", g.rng.normal(0, 0.02, (1, tokens, embed)))])
+    for i in range(depth):
+        m = f"blocks.{i}"
+        qkv = linear(layer_norm(x, f"{m}.norm1"), f"{m}.attn.qkv", embed, 3 * embed, bias=False)
+        qkv = g.node("Reshape", f"/{m}/attn", [qkv, g.anonymous("Reshape", np.array(
+            [0, tokens, 3, heads, width]))])
+        qkv = g.node("Transpose", f"/{m}/attn", [qkv], perm=[2, 0, 3, 1, 4])
+        q, k, v = (g.node("Gather", f"/{m}/attn/{part}", [qkv, g.anonymous("Gather", np.array(
+            index))], axis=0) for index, part in enumerate("qkv"))
+        scores = g.node("MatMul", f"/{m}/attn", [q, g.node("Transpose", f"/{m}/attn/k", [k],
+                                                            perm=[0, 1, 3, 2])])
+        scores = g.node("Mul", f"/{m}/attn", [scores, g.anonymous("Mul",
+                                                                   np.float32(width ** -0.5))])
+        attended = g.node("MatMul", f"/{m}/attn/v", [g.node("Softmax", f"/{m}/attn", [scores],
+                                                            axis=-1), v])
+        attended = g.node("Reshape", f"/{m}/attn/heads", [
+            g.node("Transpose", f"/{m}/attn/heads", [attended], perm=[0, 2, 1, 3]),
+            g.anonymous("Reshape", np.array([0, tokens, embed]))])
+        x = g.node("Add", f"/{m}", [x, linear(attended, f"{m}.attn.proj", embed, embed)])
+        hidden = linear(layer_norm(x, f"{m}.norm2"), f"{m}.mlp.fc1", embed, 4 * embed)
+        hidden = g.node("Clip", f"/{m}/mlp/act", [hidden, constant(f"/{m}/mlp/min", np.float32(0)),
+                                                  constant(f"/{m}/mlp/max", np.float32(6))])
+        x = g.node("Add", f"/{m}/mlp", [x, linear(hidden, f"{m}.mlp.fc2", 4 * embed, embed)])
+    x = layer_norm(x, "norm")
+    x = g.node("Reshape", "", [x, g.anonymous("Reshape", np.array([0, -1]))])
+    x = head(x, "feature.0", "feature.1", tokens * embed, embed)
+    x = head(x, "feature.2", "feature.3", embed, embedding)
+    return g.save(path, "data", x, embedding, opset=18 if dynamo else 11)
 
 
 def insightface_mxnet_model(prefix: Path, symbol: Path, seed: int = 0,

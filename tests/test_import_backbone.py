@@ -17,13 +17,14 @@ import numpy as np
 import pytest
 from conftest import REPO, config_file, mpirun, python_module, run, train_args
 from mxnet.gluon import nn
-from onnx_models import insightface_mxnet_model, mobilefacenet, tiny
+from onnx_models import insightface_mxnet_model, mobilefacenet, tiny, vit
 
 from partial_fc_mx.evaluation.verification import cosines, mxnet_forward
 from partial_fc_mx.imports.calibration import calibrate
 from partial_fc_mx.imports.layers import BackboneImportError
 from partial_fc_mx.imports.mapping import identity_with_bias
 from partial_fc_mx.imports.mxnet_source import model_files
+from partial_fc_mx.prep.synthetic import prepare_synthetic
 from partial_fc_mx.run.export import load_backbone
 
 INSIGHTFACE = REPO / "tests" / "data"
@@ -107,6 +108,39 @@ def test_an_arcface_torch_mobilefacenet_onnx_imports_as_mbf(tmp_path):
     worst, relative = agreement(ours(tmp_path / "work", pixels()),
                                 onnx_embeddings(source, pixels(), False))
     assert worst > 1 - 1e-7 and relative < 2e-5
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript-opset11", "dynamo-opset18"])
+def test_an_arcface_torch_vit_onnx_imports_as_the_same_vit(tmp_path, dynamo):
+    """A ViT's LayerNorms (spelled out below opset 17, one node from it), its patch
+    convolution's bias, its position embedding (a constant added to the tokens) and
+    the attention's arithmetic between the weighted layers; the dynamo export's head
+    with its BatchNorms folded into the fully connected layers, calibrated with the
+    patch masking left out (else the agreement reads the masks, about 0.4). A vit_t
+    graph does not fit vit_s, and a LayerNorm epsilon other than ours is refused."""
+    source = vit(tmp_path / "vit_t.onnx", dynamo)
+    faces = tmp_path / "faces"  # 32 of them: 16 calibrate, 16 measure (the default 256
+    prepare_synthetic(str(faces), 8, per_class=4, heldout=2, pairs=2)  # take a minute)
+    imported = import_backbone(source, tmp_path / "work", "vit_t", "--calibrate", str(faces))
+    assert imported.returncode == 0, imported.stdout[-3000:]
+    worst, relative = agreement(ours(tmp_path / "work", pixels(2)),
+                                onnx_embeddings(source, pixels(2), False))
+    assert worst > 1 - 1e-7 and relative < 2e-5
+    if dynamo:
+        assert re.search(r"2 BatchNorms the export had folded .* 16 faces .* agree with "
+                         r"inference to a "
+                         r"worst cosine of 0\.9[0-9]+", imported.stdout), imported.stdout[-2000:]
+        return
+    other_eps = vit(tmp_path / "eps.onnx", dynamo, depth=1, norm_eps=1e-6)  # refused
+    wrong = import_backbone(other_eps, tmp_path / "vit_s", "vit_s")  # before its end
+    assert wrong.returncode == 2
+    assert re.search(r"its layer 0, convolution 256x3x9x9 .* does not fit our patch_embed",
+                     wrong.stdout), wrong.stdout[-2000:]
+    refused = import_backbone(other_eps, tmp_path / "eps", "vit_t")
+    assert refused.returncode == 2
+    assert re.search(r"LayerNorm of 256 features .* does not fit our blocks\.0\.norm1 "
+                     r"\(LayerNorm\): epsilon 1e-06 where ours is 1e-05", refused.stdout), \
+        refused.stdout[-2000:]
 
 
 @pytest.mark.parametrize("normalize, refused", [((127.5, 1 / 128), None),

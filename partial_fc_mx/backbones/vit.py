@@ -137,6 +137,11 @@ def drop_path(F, branch, rate: float):
 
 
 class Block(HybridBlock):
+    compute_order = ("norm1", "attn", "norm2", "mlp")
+    """The order the forward uses the children, which they are not registered in (as
+    arcface_torch registers them: its parameters' order, tests/anchor_*.json); what
+    import-backbone lays another framework's layers onto (imports/mapping.py)."""
+
     def __init__(self, dim: int, drop_path_rate: float) -> None:
         super().__init__()
         self.drop_path_rate = drop_path_rate

@@ -4,7 +4,8 @@ outputs there (to compare with ours when they differ), plus how it wants its inp
 
 A reader (onnx_source.py, mxnet_source.py) turns a file into a `Source`; mapping.py
 lays the layers onto ours. Everything else in the source graph (additions,
-flattening, dropout) carries no weights and is the same in ours by construction.
+flattening, dropout, a ViT's attention arithmetic) carries no weights and is the same
+in ours by construction.
 """
 
 from __future__ import annotations
@@ -53,6 +54,25 @@ class Slope:
 
 
 @dataclass
+class TokenNorm:
+    """A LayerNorm over each token's features (the ViTs'): no running statistics."""
+
+    gamma: np.ndarray
+    beta: np.ndarray
+    eps: float
+    output: str
+
+
+@dataclass
+class Position:
+    """A ViT's position embedding: the constant 1 x tokens x width added to the patch
+    embedding's tokens."""
+
+    value: np.ndarray
+    output: str
+
+
+@dataclass
 class Dense:
     weight: np.ndarray
     """out x in"""
@@ -60,7 +80,7 @@ class Dense:
     output: str
 
 
-Layer = Conv | Norm | Slope | Dense
+Layer = Conv | Norm | Slope | TokenNorm | Position | Dense
 
 
 @dataclass
@@ -86,6 +106,10 @@ def describe(layer: Layer) -> str:
         shape = f"BatchNorm of {len(layer.gamma)} channels"
     elif isinstance(layer, Slope):
         shape = f"PReLU of {len(layer.alpha)} channels"
+    elif isinstance(layer, TokenNorm):
+        shape = f"LayerNorm of {len(layer.gamma)} features"
+    elif isinstance(layer, Position):
+        shape = f"position embedding {'x'.join(map(str, layer.value.shape))}"
     else:
         shape = f"fully connected {'x'.join(map(str, layer.weight.shape))}"
     return f"{shape} (output {layer.output!r})"

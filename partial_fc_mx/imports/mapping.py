@@ -13,6 +13,8 @@ Three differences are bridged exactly (the same function in inference):
     fixed at 1 (MXNet's fix_gamma, ours in the embedding's BatchNorm) where the
     other learned one: both moved into the variance;
   - the input's scale (1/127.5 against our 1/128): moved into the first convolution.
+A ViT's position embedding, a parameter of the network itself rather than of a
+layer, takes its place after the patch embedding, where the source adds it.
 """
 
 from __future__ import annotations
@@ -26,10 +28,23 @@ import numpy as np
 from mxnet.gluon import nn
 
 from ..data.network_input import PIXEL_SCALE
-from .layers import BackboneImportError, Conv, Dense, Norm, Slope, Source, describe
+from .layers import (
+    BackboneImportError,
+    Conv,
+    Dense,
+    Norm,
+    Position,
+    Slope,
+    Source,
+    TokenNorm,
+    describe,
+)
 
-WEIGHTED = (nn.Conv2D, nn.BatchNorm, nn.PReLU, nn.Dense)
-SOURCE_KIND = {nn.Conv2D: Conv, nn.BatchNorm: Norm, nn.PReLU: Slope, nn.Dense: Dense}
+WEIGHTED = (nn.Conv2D, nn.BatchNorm, nn.PReLU, nn.LayerNorm, nn.Dense)
+SOURCE_KIND = {nn.Conv2D: Conv, nn.BatchNorm: Norm, nn.PReLU: Slope, nn.LayerNorm: TokenNorm,
+               nn.Dense: Dense, mx.gluon.Parameter: Position}
+POSITION = "pos_embed"
+"""The ViTs' position embedding (backbones/vit.py)."""
 
 
 @dataclass
@@ -44,10 +59,12 @@ class Mapping:
 
 def named_layers(block, prefix: str = ""):
     """Every block under `block` with its structural name (features.3.body.1, as
-    checkpoints name its parameters), in the order they were added."""
-    for name, child in block._children.items():
-        yield f"{prefix}{name}", child
-        yield from named_layers(child, f"{prefix}{name}.")
+    checkpoints name its parameters), in the order they were added, or in the
+    `compute_order` a block that computes them in another order names."""
+    children = block._children
+    for name in getattr(block, "compute_order", children):
+        yield f"{prefix}{name}", children[name]
+        yield from named_layers(children[name], f"{prefix}{name}.")
 
 
 @contextmanager
@@ -67,8 +84,13 @@ def forward_hooks(net, names: list[str], record) -> Iterator[None]:
 
 def weighted_layers(net) -> list[tuple[str, object]]:
     """Our network's weighted layers in the order it computes them: each block's
-    children run in the order they were added, the shortcut after the body."""
-    return [(name, block) for name, block in named_layers(net) if isinstance(block, WEIGHTED)]
+    children run in the order they were added (or its `compute_order`), the shortcut
+    after the body; a ViT's position embedding right after its patch embedding."""
+    layers = [(name, block) for name, block in named_layers(net) if isinstance(block, WEIGHTED)]
+    position = getattr(net, POSITION, None)
+    if isinstance(position, mx.gluon.Parameter):
+        layers.insert(1, (POSITION, position))
+    return layers
 
 
 def assign(net, source: Source) -> Mapping:
@@ -103,13 +125,21 @@ def assign(net, source: Source) -> Mapping:
         if isinstance(layer, Conv):
             scale = source.input_scale / PIXEL_SCALE if index == 0 else 1.0
             set_conv(block, layer, scale, source, position, name)
-            if layer.bias is not None and not norm_folded:
+            if block.bias is not None:  # a ViT's patch embedding
+                expect(block.bias, layer.bias if layer.bias is not None else
+                       np.zeros(len(layer.weight), np.float32), source, position, layer, name)
+            elif layer.bias is not None and not norm_folded:
                 if not own_norm:
                     raise mismatch(source, position, layer, name, block, "a bias ours lacks")
                 theirs[position + 1] = shifted(following, -layer.bias)  # into its mean
         elif isinstance(layer, Norm):
             set_norm(block, layer, source, position, name)
             mapping.checkpoints.append((name, layer.output))
+        elif isinstance(layer, TokenNorm):
+            set_token_norm(block, layer, source, position, name)
+            mapping.checkpoints.append((name, layer.output))
+        elif isinstance(layer, Position):
+            expect(block, layer.value, source, position, layer, name)
         elif isinstance(layer, Slope):
             slopes = layer.alpha.reshape(-1)
             if slopes.size == 1:  # one slope for every channel (layout.py): the same function
@@ -162,6 +192,18 @@ def set_norm(block: nn.BatchNorm, layer: Norm, source: Source, position: int,
     expect(block.beta, layer.beta, source, position, layer, name)
     put(block.running_mean, layer.mean)
     put(block.running_var, np.maximum(var - eps, 0))
+
+
+def set_token_norm(block: nn.LayerNorm, layer: TokenNorm, source: Source, position: int,
+                   name: str) -> None:
+    """A LayerNorm's epsilon cannot be moved anywhere (each token's own variance is
+    under it): it must be ours."""
+    eps = block._kwargs["eps"]
+    if not np.isclose(layer.eps, eps, rtol=1e-3):
+        raise mismatch(source, position, layer, name, block,
+                       f"epsilon {layer.eps:g} where ours is {eps:g}")
+    expect(block.gamma, layer.gamma, source, position, layer, name)
+    expect(block.beta, layer.beta, source, position, layer, name)
 
 
 def set_dense(block: nn.Dense, layer: Dense, source: Source, position: int, name: str) -> None:

@@ -1,9 +1,10 @@
 """An ONNX backbone as layers.py's `Source`: as arcface_torch's torch2onnx.py writes it
 (input `data`, opset 11, PReLU slopes of C x 1 x 1, the fully connected layer as
 Gemm or, without a bias, MatMul with its weight transposed; exported in eval mode,
-so most BatchNorms are folded into the convolution before them) and as insightface
-distributes its models (the same, some with the input's normalization inside the
-graph).
+so most BatchNorms are folded into the convolution before them; a ViT's LayerNorms
+spelled out in arithmetic below opset 17, one LayerNormalization node from it) and as
+insightface distributes its models (the same, some with the input's normalization
+inside the graph).
 
 Read with onnx's protobuf only: nothing in the file executes. The graph runs in
 onnxruntime for the parity check.
@@ -23,8 +24,10 @@ from .layers import (
     Conv,
     Dense,
     Norm,
+    Position,
     Slope,
     Source,
+    TokenNorm,
     affine_input,
 )
 
@@ -115,24 +118,29 @@ def input_normalization(nodes, name: str, constants: dict) -> tuple[float, float
     return scale, shift, found
 
 
-UNSUPPORTED = {"Relu", "LeakyRelu", "Sigmoid", "Tanh", "Clip", "HardSigmoid", "HardSwish",
-               "MaxPool", "AveragePool", "GlobalAveragePool", "Softmax", "LpNormalization"}
-"""Activations and poolings, which our IResNets and MobileFaceNets do not have: a graph
-with one is another network. (Arithmetic past the input's normalization is left to
-the parity check, which names the first layer whose output it changes.)"""
+UNSUPPORTED = {"Relu", "LeakyRelu", "Sigmoid", "Tanh", "HardSigmoid", "HardSwish",
+               "MaxPool", "AveragePool", "GlobalAveragePool", "LpNormalization"}
+"""Activations and poolings none of our networks has (the ViTs' ReLU6 is a Clip, their
+attention a Softmax): a graph with one is another network. (Arithmetic past the
+input's normalization is left to the parity check, which names the first layer whose
+output it changes.)"""
 
 
 def layers_of(nodes, constants: dict, path: str) -> list:
     """The weighted layers in graph order; a MatMul's bias is the Add after it."""
-    layers, biases, started = [], {}, False
+    layers, biases, started, chain = [], {}, False, {}
     for node in nodes:
         options = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         weights = [constants.get(i) for i in node.input[1:]]
         output = node.output[0] if node.output else ""
         op = node.op_type
         named = f"{path}: {op} {node.name or output!r}"
-        if op in ("Conv", "BatchNormalization", "PRelu", "Gemm"):
-            count = {"Conv": 1, "BatchNormalization": 4, "PRelu": 1, "Gemm": 1}[op]
+        if (spelled_out := layer_norm_step(node, constants, chain)) is not None:
+            layers.append(spelled_out)
+            continue
+        if op in ("Conv", "BatchNormalization", "PRelu", "Gemm", "LayerNormalization"):
+            count = {"Conv": 1, "BatchNormalization": 4, "PRelu": 1, "Gemm": 1,
+                     "LayerNormalization": 2}[op]
             if len(weights) < count or any(w is None for w in weights):
                 raise BackboneImportError(f"{named} takes a weight that is not a constant of "
                                           "the file (computed in the graph): cannot import it")
@@ -145,6 +153,12 @@ def layers_of(nodes, constants: dict, path: str) -> list:
                                output, node.input[0]))
         elif op == "PRelu":
             layers.append(Slope(weights[0].reshape(-1), output))
+        elif op == "LayerNormalization":
+            if options.get("axis", -1) != -1:
+                raise BackboneImportError(f"{named} normalizes from axis {options['axis']}; "
+                                          "our ViTs normalize each token's features (-1)")
+            layers.append(TokenNorm(weights[0], weights[1], float(options.get("epsilon", 1e-5)),
+                                    output))
         elif op == "Gemm":
             if options.get("transA", 0) or options.get("alpha", 1.0) != 1.0 \
                     or options.get("beta", 1.0) != 1.0:
@@ -160,10 +174,50 @@ def layers_of(nodes, constants: dict, path: str) -> list:
             if bias is not None:
                 dense = layers[biases.pop(into[0])]
                 dense.bias, dense.output = bias.reshape(-1), output
+        elif op == "Add" and started and (table := next(
+                (constants[i] for i in node.input if constants.get(i) is not None
+                 and constants[i].ndim == 3), None)) is not None:
+            layers.append(Position(table, output))  # tokens x width: a ViT's positions
         elif op in UNSUPPORTED and started:
             raise BackboneImportError(f"{named}: our networks have no such operation there; "
                                       "not an IResNet or MobileFaceNet of arcface_torch's")
     return layers
+
+
+def layer_norm_step(node, constants: dict, chain: dict) -> TokenNorm | None:
+    """torch's TorchScript exporter writes a LayerNorm below opset 17 as ReduceMean,
+    Sub, Pow(2), ReduceMean, Add(eps), Sqrt, Div, Mul(gamma), Add(beta). Follow that
+    chain through `chain` (tensor -> (stage, what it carries)); at its last node
+    return the LayerNorm, else None."""
+    op, inputs = node.op_type, list(node.input)
+    if not node.output or not inputs:
+        return None
+    output = node.output[0]
+    stage = {name: chain[name] for name in inputs if name in chain}
+    tensor = next((name for name in inputs if name in stage), inputs[0])
+    constant = next((constants[name] for name in inputs if name != tensor
+                     and constants.get(name) is not None), None)
+    kind, carried = stage.get(tensor, (None, None))
+    if op == "ReduceMean":
+        chain[output] = ("variance", carried) if kind == "squared" else ("mean", inputs[0])
+    elif op == "Sub" and len(inputs) == 2 and chain.get(inputs[1], (None,))[0] == "mean" \
+            and chain[inputs[1]][1] == inputs[0]:
+        chain[output] = ("centered", output)
+    elif op == "Pow" and kind == "centered" and constant is not None and np.all(constant == 2):
+        chain[output] = ("squared", tensor)
+    elif op == "Add" and kind == "variance" and constant is not None and constant.size == 1:
+        chain[output] = ("variance+eps", (carried, float(constant.flat[0])))
+    elif op == "Sqrt" and kind == "variance+eps":
+        chain[output] = ("deviation", carried)
+    elif op == "Div" and len(inputs) == 2 and chain.get(inputs[1], (None,))[0] == "deviation" \
+            and chain[inputs[1]][1][0] == inputs[0]:
+        chain[output] = ("normalized", chain[inputs[1]][1][1])
+    elif op == "Mul" and kind == "normalized" and constant is not None:
+        chain[output] = ("scaled", (carried, constant))
+    elif op == "Add" and kind == "scaled" and constant is not None:
+        eps, gamma = carried
+        return TokenNorm(gamma.reshape(-1), constant.reshape(-1), eps, output)
+    return None
 
 
 def conv_layer(weights: list, options: dict, output: str, named: str) -> Conv:

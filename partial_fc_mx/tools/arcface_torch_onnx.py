@@ -8,9 +8,12 @@ environment; torch and insightface are imported only here:
         --faces faces.npy --output r50.onnx [--legacy-exporter]
 
 No trained arcface_torch weights are reachable offline. The network starts from its
-own initialisation, and its BatchNorm statistics are then set from real faces (the
-ORL faces, in training mode without gradients), as a trained network's are: otherwise
-they would be the initial 0 and 1, which no export folds into anything telling. The
+own initialisation; a ViT's LayerNorm scales and shifts and its Linear layers' biases
+are then drawn at random (their initial 1 and 0 are the same in every layer: an
+import that mixed two layers up would still agree); its BatchNorm statistics are
+then set from real faces (the ORL faces, in training mode without gradients), as a
+trained network's are: otherwise they would be the initial 0 and 1, which no export
+folds into anything telling. The
 state dict is saved as model.pt and handed to torch2onnx.py unmodified, run as its
 `__main__`, with two adjustments outside it: numpy's `np.float`, which numpy 1.24
 removed and torch2onnx.py still uses, is restored as `float`; and with
@@ -53,12 +56,29 @@ def face_statistics(net, faces: np.ndarray, torch, seed: int = 0) -> None:
     net.eval()
 
 
+def distinct_token_layers(net, torch, seed: int = 0) -> None:
+    """Every LayerNorm's scale in 0.5..1.5 and shift, and every Linear layer's bias,
+    drawn at random (a ViT's; an IResNet has no LayerNorm and is left as it is)."""
+    norms = [m for m in net.modules() if isinstance(m, torch.nn.LayerNorm)]
+    if not norms:
+        return
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for norm in norms:
+            norm.weight.copy_(0.5 + torch.rand(norm.weight.shape, generator=generator))
+            norm.bias.copy_(0.1 * torch.randn(norm.bias.shape, generator=generator))
+        for linear in net.modules():
+            if isinstance(linear, torch.nn.Linear) and linear.bias is not None:
+                linear.bias.copy_(0.1 * torch.randn(linear.bias.shape, generator=generator))
+
+
 def export(arcface_torch: Path, network: str, faces: np.ndarray, output: Path,
            legacy: bool) -> None:
     import torch
 
     torch.manual_seed(0)
     net = anchor_get_model(arcface_torch)(network, dropout=0.0, fp16=False, num_features=512)
+    distinct_token_layers(net, torch)
     face_statistics(net, faces, torch)
     weights = output.with_suffix(".pt")
     torch.save(net.state_dict(), weights)
