@@ -33,6 +33,15 @@ TINY_FOLDED = 10
 two of the body and the shortcut's."""
 
 
+@pytest.fixture(scope="module")
+def few_faces(tmp_path_factory) -> Path:
+    """32 packed faces for --calibrate: 16 calibrate, 16 measure the agreement (the
+    default 256 ORL faces take a minute of forwards for an mbf or a ViT)."""
+    faces = tmp_path_factory.mktemp("faces") / "faces"
+    prepare_synthetic(str(faces), 8, per_class=4, heldout=2, pairs=2)
+    return faces
+
+
 def import_backbone(source: Path, work: Path, network: str, *extra: str):
     return run(python_module("import-backbone", str(source), str(work), "--network", network,
                              *extra))
@@ -98,12 +107,12 @@ def test_an_arcface_torch_onnx_imports_as_the_same_network_and_exports(tmp_path,
     assert exported.returncode == 0, exported.stdout[-2000:]
 
 
-def test_an_arcface_torch_mobilefacenet_onnx_imports_as_mbf(tmp_path):
+def test_an_arcface_torch_mobilefacenet_onnx_imports_as_mbf(tmp_path, few_faces):
     """Grouped and depthwise convolutions, the GDC's 7 x 7 one, and a fully connected
     layer without a bias, which the exporter writes as MatMul with its weight
     transposed."""
     source = mobilefacenet(tmp_path / "mbf.onnx")
-    imported = import_backbone(source, tmp_path / "work", "mbf")
+    imported = import_backbone(source, tmp_path / "work", "mbf", "--calibrate", str(few_faces))
     assert imported.returncode == 0, imported.stdout[-3000:]
     worst, relative = agreement(ours(tmp_path / "work", pixels()),
                                 onnx_embeddings(source, pixels(), False))
@@ -111,7 +120,7 @@ def test_an_arcface_torch_mobilefacenet_onnx_imports_as_mbf(tmp_path):
 
 
 @pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript-opset11", "dynamo-opset18"])
-def test_an_arcface_torch_vit_onnx_imports_as_the_same_vit(tmp_path, dynamo):
+def test_an_arcface_torch_vit_onnx_imports_as_the_same_vit(tmp_path, dynamo, few_faces):
     """A ViT's LayerNorms (spelled out below opset 17, one node from it), its patch
     convolution's bias, its position embedding (a constant added to the tokens) and
     the attention's arithmetic between the weighted layers; the dynamo export's head
@@ -119,9 +128,8 @@ def test_an_arcface_torch_vit_onnx_imports_as_the_same_vit(tmp_path, dynamo):
     patch masking left out (else the agreement reads the masks, about 0.4). A vit_t
     graph does not fit vit_s, and a LayerNorm epsilon other than ours is refused."""
     source = vit(tmp_path / "vit_t.onnx", dynamo)
-    faces = tmp_path / "faces"  # 32 of them: 16 calibrate, 16 measure (the default 256
-    prepare_synthetic(str(faces), 8, per_class=4, heldout=2, pairs=2)  # take a minute)
-    imported = import_backbone(source, tmp_path / "work", "vit_t", "--calibrate", str(faces))
+    imported = import_backbone(source, tmp_path / "work", "vit_t", "--calibrate",
+                               str(few_faces))
     assert imported.returncode == 0, imported.stdout[-3000:]
     worst, relative = agreement(ours(tmp_path / "work", pixels(2)),
                                 onnx_embeddings(source, pixels(2), False))
