@@ -135,7 +135,15 @@ class Config:
 
     # --- optimisation ---
     batch_size: int = 128
-    """Per process."""
+    """Per process, in each forward and backward pass (with gradient_accumulation: of
+    each micro-batch)."""
+    gradient_accumulation: int = 1
+    """k micro-batches of batch_size per optimizer step, which is then the step of one
+    global batch of k x batch_size x the processes, exactly (pfc/partial_fc.py): the
+    centers sampled once for all k, each sample weighted by 1 / that batch, the
+    gradients summed and applied once; steps, the schedule, max_steps, logs and
+    checkpoints count optimizer steps. The backbone's BatchNorms see each micro-batch
+    alone, as a GPU holding only batch_size would (docs/training.md)."""
     reference_batch: int = 0
     """The global batch that max_steps and lr_steps count steps of; 0: batch_size x the
     processes of the run's first launch. A resume keeps its checkpoint's; the restart
@@ -212,6 +220,13 @@ class Config:
                      if not getattr(self, key) >= 0]
         if self.keep_checkpoints < 1:
             problems.append("keep_checkpoints must be >= 1")
+        if not isinstance(self.gradient_accumulation, int) or self.gradient_accumulation < 1:
+            problems.append(f"gradient_accumulation={self.gradient_accumulation!r} must be a "
+                            "whole number of micro-batches >= 1")
+        elif self.gradient_accumulation > 1 and self.margin == "adaface":
+            problems.append("gradient_accumulation > 1 with margin='adaface': AdaFace follows "
+                            "statistics of each whole global batch's embeddings, which "
+                            "accumulation never holds at once; use 1, or another margin")
         if isinstance(self.rec, list) and not listed_datasets_valid(self.rec):
             problems.append(f"rec={self.rec!r}: a list of datasets names one or more folders, "
                             "each once (not 'random')")
@@ -257,6 +272,10 @@ class Config:
             problems.append(f"lr_steps={self.lr_steps} must be positive step counts")
         if problems:
             raise ConfigError("invalid config: " + "; ".join(problems))
+
+    def images_per_step(self) -> int:
+        """Per process and optimizer step: batch_size in each of the micro-batches."""
+        return self.batch_size * self.gradient_accumulation
 
     def check_world_size(self, world_size: int) -> None:
         """What only the number of processes decides; the same answer on every rank."""

@@ -260,6 +260,7 @@ def build(config: Config, world: dist.World, ctx: mx.Context, dtype: str,
     validator = Validator([load_bin(p) for p in config.val_paths()] if world.is_main else [],
                           work_dir)
     net, model = build_backbone(config, ctx, dtype)
+    accumulate_gradients(net, config.gradient_accumulation)
     return (work_dir, dataset, loader, validator, (net, model),
             build_classifier(config, world, ctx, fresh_centers), make_trainer(config, net))
 
@@ -283,9 +284,12 @@ def describe(config: Config, world: dist.World, ctx: mx.Context,
     resumed = (f", resumed at step {state.step} (epoch {state.epoch}, "
                f"{state.images_in_epoch} images into it)" if state.step else "")
     why = f" ({precision.reason})" if config.fp16 else ""
+    k = config.gradient_accumulation
+    accumulated = (f" (each {k} micro-batches of {config.batch_size} per process, "
+                   f"accumulated)" if k > 1 else "")
     return (f"training {config.network} on {config.rec}: {config.num_classes} classes, "
             f"{world.size} processes on {ctx}, backbone in {precision.dtype}{why}, "
-            f"{len(loader)} steps "
+            f"global batch {loader.global_batch}{accumulated}, {len(loader)} steps "
             f"per epoch, {total} steps{resumed}")
 
 
@@ -310,7 +314,8 @@ def restore(config: Config, world: dist.World, ctx: mx.Context, work_dir: Path, 
     """The state to start from and notes for the log: a checkpoint's (--resume-from),
     or step 0, with a checkpoint's weights (--load-from) or fresh ones. Checkpoints in
     work_dir past that step belong to another run (or an abandoned future): moved aside."""
-    state = TrainState(reference_batch=config.reference_batch or config.batch_size * world.size)
+    state = TrainState(reference_batch=config.reference_batch
+                       or config.images_per_step() * world.size)
     notes = []
     source = resume_from or load_from
     if source:
@@ -343,22 +348,30 @@ def restore(config: Config, world: dist.World, ctx: mx.Context, work_dir: Path, 
 
 # ----- one step -----
 def train_step(run: Run, batch: Batch, lr: float, timer=None) -> float:
-    """One step on a batch whose images are on the device (data/device.py); `timer`
-    (bench train's) times its phases, synchronizing at each."""
+    """One optimizer step on a batch whose images are on the device (data/device.py),
+    in gradient_accumulation micro-batches; `timer` (bench train's) times its phases,
+    synchronizing at each."""
     trainer, scaler, ctx = run.trainer, run.scaler, run.ctx
     timer = timer or NoTimer()
-    with timer.phase("backbone forward"):
-        with mx.autograd.record():
-            embeddings = run.model(batch.images)
-    with timer.phase("classifier"):
-        loss, grad = run.pfc.forward_backward(embeddings, batch.labels,
-                                              grad_scale=scaler.scale if scaler.dynamic else 1.0)
-    with timer.phase("backbone backward"):
-        embeddings.backward(grad)
+    parts = micro_batches(batch, run.config.gradient_accumulation)
+    if len(parts) > 1:
+        with timer.phase("classifier"):
+            run.pfc.accumulate(batch.labels, len(parts))
+    loss = 0.0
+    for part in parts:
+        with timer.phase("backbone forward"):
+            with mx.autograd.record():
+                embeddings = run.model(part.images)
+        with timer.phase("classifier"):
+            part_loss, grad = run.pfc.forward_backward(
+                embeddings, part.labels, grad_scale=scaler.scale if scaler.dynamic else 1.0)
+            loss = loss + part_loss  # each part's share of the whole batch's mean
+        with timer.phase("backbone backward"):
+            embeddings.backward(grad)
     with timer.phase("backbone allreduce"):
         trainer.allreduce_grads()
     with timer.phase("backbone update"):
-        grads = [p.grad(ctx) for p in run.net.collect_params().values() if p.grad_req != "null"]
+        grads = [p.grad(ctx) for p in trained(run.net)]
         finite = scaler.gradients_finite(grads)
         scaler.update(finite)
         if finite:
@@ -369,9 +382,35 @@ def train_step(run: Run, batch: Batch, lr: float, timer=None) -> float:
                 clip_global_norm(grads, run.config.clip_grad, unit=trainer._scale / batch_size)
             trainer.set_learning_rate(lr)
             trainer.update(batch_size)
+        if len(parts) > 1:  # grad_req "add": the next step starts from zero
+            for parameter in trained(run.net):
+                parameter.zero_grad()
     with timer.phase("classifier update"):
         run.pfc.step(lr * run.config.center_lr_scale)
     return float(loss.asscalar())
+
+
+def accumulate_gradients(net, micro_batches: int) -> None:
+    """With more than one micro-batch per step, their backward passes add up
+    (grad_req "add"; train_step zeroes the sums after each update)."""
+    if micro_batches > 1:
+        for parameter in trained(net):
+            parameter.grad_req = "add"
+
+
+def micro_batches(batch: Batch, count: int) -> list[Batch]:
+    """`batch` cut into `count` equal micro-batches (the loader's batch is count x
+    batch_size: Config.images_per_step)."""
+    if count == 1:
+        return [batch]
+    size = len(batch.labels) // count
+    return [Batch(batch.images[i * size:(i + 1) * size], batch.labels[i * size:(i + 1) * size])
+            for i in range(count)]
+
+
+def trained(net) -> list:
+    """The backbone's parameters that have gradients."""
+    return [p for p in net.collect_params().values() if p.grad_req != "null"]
 
 
 # ----- saving and evaluating -----

@@ -14,7 +14,9 @@ other in one launch (the process start-up, not the cases, was most of the time).
                                           composed-unequal,
                                           bad-label, nonfinite, width, loss-scale)
        a case may add "sub3" (sub-center ArcFace, 3 rows per class) and "filter"
-       (inter-class filtering at 0.2), e.g. sub3-filter-blocks-replay-sampled
+       (inter-class filtering at 0.2), e.g. sub3-filter-blocks-replay-sampled, and
+       "accum" (each rank's batch in 2 accumulated micro-batches, held to the
+       reference of the whole batch, its sample to the whole batch's)
 """
 
 from __future__ import annotations
@@ -140,6 +142,9 @@ def run_steps(case: str, rank: int, world: int) -> dict:
                     optimizer=optimizer, center_block_rows=11 if "blocks" in case else None,
                     num_subcenters=k, interclass_filtering_threshold=threshold)
     assert len(pfc.centers.blocks) == (-(-pfc.shard.count * k // 11) if "blocks" in case else 1)
+    # accum: a twin with the same seed samples the whole batch, as without accumulation
+    twin = PartialFC(num_classes, dim, rank=rank, world_size=world, sample_rate=sample_rate,
+                     seed=7, num_subcenters=k) if "accum" in case else None
     assert isinstance(pfc.rows, FusedRows)  # the CPU's
     if "composed" in case:  # the row passes a GPU runs, from MXNet operators
         pfc.rows = ComposedRows(pfc.buffers)
@@ -173,7 +178,13 @@ def run_steps(case: str, rank: int, world: int) -> dict:
         # replay: no state_dict (it brings every row current) until the last step, so
         # the forwards read rows that had missed steps
         before = None if replay else pfc.centers.state_dict()
-        loss, grad = pfc.forward_backward(local_x, mx.nd.array(labels[mine]))
+        if twin is None:
+            loss, grad = pfc.forward_backward(local_x, mx.nd.array(labels[mine]))
+        else:
+            loss, grad = accumulated(pfc, local_x, labels[mine])
+            whole = twin.sample(labels)[0]
+            assert np.array_equal(pfc._last_rows, whole), "another sample than the whole batch's"
+            errors["micro_batches"] = 2
         pfc.step(lr)
         assert grad.dtype == local_x.dtype and grad.shape == local_x.shape
         sampled = np.sort(np.concatenate(hvd.allgather_object(pfc.sampled_classes)))
@@ -244,6 +255,16 @@ def run_steps(case: str, rank: int, world: int) -> dict:
         regrown = hvd.allgather_object(buffer_bytes[2] > buffer_bytes[0])
         assert any(regrown), f"no rank's buffers grew past their first size: {buffer_bytes}"
     return errors
+
+
+def accumulated(pfc: PartialFC, x: mx.nd.NDArray, labels: np.ndarray) -> tuple:
+    """The batch's loss and gradient from 2 micro-batches (of unequal sizes where the
+    batch is odd), accumulated."""
+    pfc.accumulate(labels, 2)
+    half = len(labels) // 2
+    parts = [pfc.forward_backward(x[part], mx.nd.array(labels[part]))
+             for part in (slice(0, half), slice(half, len(labels)))]
+    return parts[0][0] + parts[1][0], mx.nd.concat(*(grad for _, grad in parts), dim=0)
 
 
 def run_bad_input(case: str, rank: int, world: int) -> str:

@@ -64,6 +64,12 @@ EXACT = [
     ("horovodrun", 2, "sub3-adamw-fp16-sampled"),
     ("mpirun", 2, "sub3-blocks-dense-sampled"),
     ("mpirun", 2, "sub3-nan-center"),
+    # gradient accumulation: 2 micro-batches held to the whole batch's reference
+    ("python", 1, "accum-sampled"),
+    ("mpirun", 2, "accum-blocks-replay-sampled"),
+    ("horovodrun", 3, "accum-sub3-filter-unequal"),
+    ("mpirun", 3, "accum-composed-sampled"),
+    ("horovodrun", 2, "accum-adamw-fp16-sampled"),
 ]
 """(launcher, processes, case): each within 1e-5 of the float64 reference."""
 

@@ -136,7 +136,7 @@ def restart_command(args: argparse.Namespace) -> int:
     output = Path(args.output).read_text(errors="replace")
     relaunch, refusal = restart(Path(config.output), args.status, output, args.hosts,
                                 args.processes, args.dropped, args.attempt, args.job,
-                                config.batch_size * args.first_processes)
+                                config.images_per_step() * args.first_processes)
     if refusal:  # said in training.log and on stderr
         return 1
     print("\n".join(relaunch))

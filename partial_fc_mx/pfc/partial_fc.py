@@ -11,6 +11,12 @@ Each rank holds a shard of the C x D class centers with their optimizer states
   5. gradients: all N embeddings' (summed over ranks with one allreduce, each rank
      keeps the rows of its own), then the sampled centers', while that allreduce runs
      (kept for `step`).
+Gradient accumulation (`accumulate`, then k forward_backward calls, then `step`): the
+k micro-batches are one global batch of their k N samples. Their centers are sampled
+once, from all their labels (what that batch would draw); each sample's softmax is
+its own row's in any case, so each micro-batch computes its rows' loss and gradients
+with the weight 1 / (k N) the large batch gives them, and the centers' gradients add
+up until `step`: the large batch's, computed N rows at a time.
 At a global batch of 1024, a pass over the N x n matrix costs twice one over the
 n x D rows: the centers are normalized as rows (v), and each row's share of the
 global softmax enters the backward GEMMs through their N x D input and output, so
@@ -154,6 +160,7 @@ class PartialFC:
             else margin
         self.timer = timer or NoTimer()
         self._pending = None  # (index, sampled weights, their gradient) until step()
+        self._accumulation: Accumulation | None = None  # between accumulate() and step()
         self._last_rows = None  # shard rows sampled in the last step; None: all
         self.buffers = Buffers(self.ctx)  # logits, both GEMM gradients, row chunks
         self.rows = row_passes(self.ctx, self.buffers)  # fused kernels on the CPU
@@ -186,18 +193,27 @@ class PartialFC:
     def _forward_backward(self, embeddings: mx.nd.NDArray, labels, grad_scale: float) -> tuple:
         with self.timer.phase("communication"):
             batch = self._gather(embeddings, labels)
+        accumulation = self._accumulation
         with self.timer.phase("sampling"):
-            index, target_col = self.sample(batch.labels)
-            rows = subcenter_index(index, self.subcenters)
+            if accumulation is None:
+                index, target_col = self.sample(batch.labels)
+                rows = subcenter_index(index, self.subcenters)
+            else:  # the accumulated batch's sample, drawn once
+                index, rows = accumulation.index, accumulation.rows
+                target_col = self._target_columns(index, batch.labels)
         with self.timer.phase("compute"):
             x = batch.embeddings.as_in_context(self.ctx)
             x_norm = mx.nd.norm(x, axis=1, keepdims=True)  # scaled sums: no overflow
             x_hat = x / x_norm
             norms = x_norm.reshape(-1)
-            self.margin.observe(norms)
-            self.centers.bring_current(rows)  # exact update: steps the rows missed
-            w = self.centers.sampled_weights(rows)
-            v, w_scale = self._scaled_centers(w)
+            if accumulation is None:
+                self.margin.observe(norms)
+                self.centers.bring_current(rows)  # exact update: steps the rows missed
+                w = self.centers.sampled_weights(rows)
+                v, w_scale = self._scaled_centers(w)
+            else:  # the same rows for every micro-batch: scaled once, in accumulate()
+                w, v, w_scale = accumulation.w, accumulation.v, accumulation.w_scale
+            loss_rows = len(x) if accumulation is None else accumulation.samples
         with self.timer.phase("gemm"):
             logits = mx.nd.FullyConnected(x_hat, v, num_hidden=v.shape[0], no_bias=True,
                                           out=self._buffer("logits", x_hat, v))
@@ -227,13 +243,14 @@ class PartialFC:
         with self.timer.phase("compute"):
             exp_sum, target_logit = sums[:, 0], sums[:, 1]
             if filtered is not None:  # of the negatives (each row has one positive)
-                self.filtered_fraction = sums[:, 2].sum() / (sums[:, 3] - 1).sum()
-            loss = (mx.nd.log(exp_sum) + row_max - target_logit).mean()
+                self.filtered_fraction = self._filtered_share(sums[:, 2].sum(),
+                                                              (sums[:, 3] - 1).sum())
+            loss = (mx.nd.log(exp_sum) + row_max - target_logit).sum() / loss_rows
             # d loss / d logit = prob * row_weight off the targets: the rows' weights
             # go into the GEMMs' N x D inputs and outputs, not over the N x n matrix
             share = with_spare * shift / exp_sum  # prob * share: the global probabilities
-            row_weight = (share / len(share)).reshape((-1, 1))
-            target_grad = self._target_gradients(prob, share, targets)
+            row_weight = (share / loss_rows).reshape((-1, 1))
+            target_grad = self._target_gradients(prob, share, targets, loss_rows)
             if self.subcenters > 1:  # each class's probability to its sub-center of the max
                 # before the scatter: it reads the sub-centers' logits
                 targets = targets.on_subcenters(logits, self.subcenters, target_col)
@@ -263,14 +280,44 @@ class PartialFC:
             # v_j = w_j s / |w_j|: d loss / d w_j = s / |w_j| (dv_j less its part along
             # w_j), in place
             self.rows.project(grad_v, w, (w_scale / self.margin.scale) ** 2, w_scale)
+            if accumulation is not None:  # the micro-batches' gradients add up
+                grad_v = accumulation.add(grad_v)
         self._pending = (rows, w, grad_v)
         mine = summed[batch.mine_start:batch.mine_stop]
         return loss, mine.astype(embeddings.dtype, copy=False)
 
+    def accumulate(self, labels, micro_batches: int) -> None:
+        """Begin one optimizer step over `micro_batches` forward_backward calls whose
+        labels, this rank's of all of them, are `labels` (module docstring). Every rank
+        calls it with its own labels (a collective). A margin that keeps statistics of
+        each batch (AdaFace) would see a part of it: refused."""
+        if self.margin.state_dict():
+            raise ValueError(f"{type(self.margin).__name__} follows statistics of each whole "
+                             "global batch's embeddings, which accumulation never holds at "
+                             "once: use it with gradient_accumulation = 1")
+        if self._accumulation is not None or self._pending is not None:
+            raise RuntimeError("PartialFC.accumulate() while a step is open: step() first")
+        with mx.autograd.pause():
+            gathered = self._gathered_labels(labels, len(labels), self.embedding_size,
+                                             np.ones(len(labels)))
+            index, _ = self.sample(gathered)
+            rows = subcenter_index(index, self.subcenters)
+            self.centers.bring_current(rows)
+            w = self.centers.sampled_weights(rows)
+            v, w_scale = self._scaled_centers(w)
+        self._accumulation = Accumulation(index, rows, len(gathered), micro_batches, w, v,
+                                          w_scale)
+
     def step(self, lr: float) -> None:
-        """The centers' optimizer step on the rows sampled by the last forward_backward."""
+        """The centers' optimizer step on the rows sampled by the last forward_backward
+        (or since accumulate(), with the micro-batches' summed gradient)."""
         if self._pending is None:
             raise RuntimeError("PartialFC.step() needs a forward_backward() first")
+        if self._accumulation is not None:
+            if self._accumulation.left:
+                raise RuntimeError(f"PartialFC.step() with {self._accumulation.left} of "
+                                   "the accumulated micro-batches still to come")
+            self._accumulation = None
         index, w, grad_w = self._pending
         self._pending = None
         with self.timer.phase("update"):
@@ -279,22 +326,33 @@ class PartialFC:
     # ----- the pieces -----
     def _gather(self, embeddings: mx.nd.NDArray, labels) -> GatheredBatch:
         """Allgather, after every rank has seen every rank's labels and checks."""
-        labels = labels.asnumpy() if isinstance(labels, mx.nd.NDArray) else np.asarray(labels)
-        labels = labels.reshape(len(labels), -1)[:, 0] if labels.ndim > 1 else labels
         rows = embeddings.shape[0]
         width = embeddings.shape[1] if embeddings.ndim == 2 else -1
         as_float32 = embeddings.astype("float32", copy=False)
-        finite = np.ones(len(labels))
-        if rows == len(labels) and width > 0:  # numpy's: 0.3 ms, MXNet's 8 (CPU, 1024 rows)
-            finite = np.isfinite(as_float32.asnumpy()).all(axis=1)
-        meta = np.stack([labels.astype(np.float64), np.full(len(labels), self.rank),
-                         np.full(len(labels), rows), np.full(len(labels), width), finite], 1)
-        meta = hvd.allgather(mx.nd.array(meta, dtype="float64"), name="pfc.meta").asnumpy()
-        self._validate(meta)
+        finite = np.ones(rows)
+        if width > 0:  # numpy's: 0.3 ms, MXNet's 8 (CPU, 1024 rows)
+            finite = np.isfinite(as_float32.asnumpy().reshape(rows, -1)).all(axis=1)
+        meta = self._gathered_meta(labels, rows, width, finite)
         gathered = hvd.allgather(as_float32, name="pfc.embeddings")
         mine = np.flatnonzero(meta[:, 1] == self.rank)
         start = int(mine[0]) if len(mine) else 0
         return GatheredBatch(gathered, meta[:, 0].astype(np.int64), start, start + len(mine))
+
+    def _gathered_labels(self, labels, rows: int, width: int, finite) -> np.ndarray:
+        """Every rank's labels, in rank order, once every rank has checked them."""
+        return self._gathered_meta(labels, rows, width, finite)[:, 0].astype(np.int64)
+
+    def _gathered_meta(self, labels, rows: int, width: int, finite) -> np.ndarray:
+        """Each label with its rank, its batch's shape and whether its embedding is
+        finite, from every rank; raises on every rank alike when any is bad."""
+        labels = labels.asnumpy() if isinstance(labels, mx.nd.NDArray) else np.asarray(labels)
+        labels = labels.reshape(len(labels), -1)[:, 0] if labels.ndim > 1 else labels
+        finite = finite if len(finite) == len(labels) else np.ones(len(labels))
+        meta = np.stack([labels.astype(np.float64), np.full(len(labels), self.rank),
+                         np.full(len(labels), rows), np.full(len(labels), width), finite], 1)
+        meta = hvd.allgather(mx.nd.array(meta, dtype="float64"), name="pfc.meta").asnumpy()
+        self._validate(meta)
+        return meta
 
     def _validate(self, meta: np.ndarray) -> None:
         label, rank, rows, width, finite = meta.T
@@ -331,16 +389,27 @@ class PartialFC:
         local = labels - self.shard.start
         in_shard = (local >= 0) & (local < self.shard.count)
         positives = np.unique(local[in_shard])
-        if self.num_sample >= self.shard.count:
-            index = None
-            target_col = np.where(in_shard, local, -1)
-        else:
+        index = None
+        if self.num_sample < self.shard.count:
             wanted = max(self.num_sample - len(positives), 0)
             negatives = sample_excluding(self.centers.rng, self.shard.count, positives, wanted)
             index = np.sort(np.concatenate([positives, negatives]))
-            target_col = np.where(in_shard, np.searchsorted(index, local), -1)
         self._last_rows = index
-        return index, target_col
+        return index, self._target_columns(index, labels)
+
+    def _target_columns(self, index: np.ndarray | None, labels: np.ndarray) -> np.ndarray:
+        """Each label's column among the sampled shard rows `index` (None: all), -1 where
+        its class lives on another rank."""
+        local = labels - self.shard.start
+        in_shard = (local >= 0) & (local < self.shard.count)
+        columns = local if index is None else np.searchsorted(index, local)
+        return np.where(in_shard, columns, -1)
+
+    def _filtered_share(self, filtered: mx.nd.NDArray, negatives: mx.nd.NDArray):
+        """The share of negatives filtered in this step (so far, when accumulating)."""
+        if self._accumulation is None:
+            return filtered / negatives
+        return self._accumulation.count_filtered(filtered, negatives)
 
     def _buffer(self, name: str, rows: mx.nd.NDArray, cols: mx.nd.NDArray | None = None):
         """This step's rows x cols (a matrix of rows' shape when cols is None) in a
@@ -390,15 +459,50 @@ class PartialFC:
             set_entries(logits, targets.where, targets.logits)
         return targets
 
-    def _target_gradients(self, prob, share, targets) -> mx.nd.NDArray | None:
+    def _target_gradients(self, prob, share, targets, loss_rows: int) -> mx.nd.NDArray | None:
         """d loss / d logit at the targets, (p - 1) * slope / s / N (p the global
-        probability, prob * share), and zero in their place in `prob`: the GEMMs then
-        see prob * row_weight everywhere, and add_target_terms_* add these."""
+        probability, prob * share; N the samples the loss averages over), and zero in
+        their place in `prob`: the GEMMs then see prob * row_weight everywhere, and
+        add_target_terms_* add these."""
         if targets.rows is None:
             return None
         p_target = mx.nd.gather_nd(prob, targets.where) * mx.nd.take(share, targets.rows)
         set_entries(prob, targets.where, mx.nd.zeros_like(p_target))
-        return (p_target - 1) * targets.slopes / (self.margin.scale * len(share))
+        return (p_target - 1) * targets.slopes / (self.margin.scale * loss_rows)
+
+
+@dataclass
+class Accumulation:
+    """One optimizer step of `left` more micro-batches: its sample (shard rows `index`,
+    center rows `rows`), the samples of the whole accumulated global batch, the
+    sampled centers and their scaled copy, and the sums so far."""
+
+    index: np.ndarray | None
+    rows: np.ndarray | None
+    samples: int
+    left: int
+    w: mx.nd.NDArray
+    v: mx.nd.NDArray
+    w_scale: mx.nd.NDArray
+    grad: mx.nd.NDArray | None = None
+    filtered: tuple = (0, 0)
+
+    def add(self, grad_v: mx.nd.NDArray) -> mx.nd.NDArray:
+        """The centers' gradient summed over the micro-batches so far (grad_v is a
+        buffer the next micro-batch overwrites: the sum is kept apart)."""
+        if self.left <= 0:
+            raise RuntimeError("PartialFC.forward_backward() past the micro-batches "
+                               "accumulate() was given")
+        self.left -= 1
+        if self.grad is None:
+            self.grad = grad_v.copy()
+        else:
+            self.grad += grad_v
+        return self.grad
+
+    def count_filtered(self, filtered: mx.nd.NDArray, negatives: mx.nd.NDArray):
+        self.filtered = (self.filtered[0] + filtered, self.filtered[1] + negatives)
+        return self.filtered[0] / self.filtered[1]
 
 
 @dataclass

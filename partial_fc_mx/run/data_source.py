@@ -33,12 +33,13 @@ def open_dataset(config: Config) -> RecordDataset | JoinedDataset | None:
 def make_loader(config: Config, world: World,
                 dataset: RecordDataset | JoinedDataset | None) -> FaceLoader | RandomLoader:
     """This rank's loader over `dataset` (from open_dataset)."""
+    batch = config.images_per_step()  # the trainer cuts it into the micro-batches
     if dataset is None:
-        global_batch = config.batch_size * world.size
+        global_batch = batch * world.size
         images = config.num_image if config.num_image >= global_batch else 1000 * global_batch
-        return RandomLoader(config.batch_size, config.num_classes, images,
+        return RandomLoader(batch, config.num_classes, images,
                             world_size=world.size, seed=config.seed + world.rank)
-    return FaceLoader(dataset, config.batch_size, rank=world.rank, world_size=world.size,
+    return FaceLoader(dataset, batch, rank=world.rank, world_size=world.size,
                       seed=config.seed, num_workers=decode_threads(config.num_workers, world),
                       skip_corrupt=config.skip_corrupt, augment=config.augmentation())
 
