@@ -145,16 +145,18 @@ class Config:
     checkpoints count optimizer steps. The backbone's BatchNorms see each micro-batch
     alone, as a GPU holding only batch_size would (docs/training.md)."""
     reference_batch: int = 0
-    """The global batch that max_steps and lr_steps count steps of; 0: batch_size x the
-    processes of the run's first launch. A resume keeps its checkpoint's; the restart
-    supervisor sets it when it relaunches a job that has no checkpoint yet on fewer
-    processes, so that the schedule holds (run/schedule.py)."""
+    """The global batch that max_steps and lr_steps count steps of; 0: batch_size x
+    gradient_accumulation x the processes of the run's first launch. A resume keeps
+    its checkpoint's; the restart supervisor sets it when it relaunches a job that has
+    no checkpoint yet on fewer processes, so that the schedule holds
+    (run/schedule.py)."""
     optimizer: str = "sgd"
     """The backbone's: "sgd" (with momentum) or "adamw" (decoupled weight decay; try
     lr=0.001, weight_decay=0.1). The class centers': center_optimizer."""
     lr: float = 0.1
-    """The learning rate at the end of warmup, for a global batch of batch_size x the
-    processes (not scaled by the number of processes: change it with them)."""
+    """The learning rate at the end of warmup, for a global batch of batch_size x
+    gradient_accumulation x the processes (not scaled by the number of processes:
+    change it with them)."""
     center_lr_scale: float = 1.0
     """The class centers' learning rate is lr * center_lr_scale."""
     momentum: float = 0.9
@@ -267,7 +269,7 @@ class Config:
         problems += self.augmentation().problems()
         if not isinstance(self.reference_batch, int) or self.reference_batch < 0:
             problems.append(f"reference_batch={self.reference_batch} must be a whole number "
-                            "of images (0: batch_size x the processes)")
+                            "of images (0: batch_size x gradient_accumulation x the processes)")
         if any(not isinstance(s, int) or s <= 0 for s in self.lr_steps):
             problems.append(f"lr_steps={self.lr_steps} must be positive step counts")
         if problems:

@@ -260,7 +260,6 @@ def build(config: Config, world: dist.World, ctx: mx.Context, dtype: str,
     validator = Validator([load_bin(p) for p in config.val_paths()] if world.is_main else [],
                           work_dir)
     net, model = build_backbone(config, ctx, dtype)
-    accumulate_gradients(net, config.gradient_accumulation)
     return (work_dir, dataset, loader, validator, (net, model),
             build_classifier(config, world, ctx, fresh_centers), make_trainer(config, net))
 
@@ -357,7 +356,7 @@ def train_step(run: Run, batch: Batch, lr: float, timer=None) -> float:
     if len(parts) > 1:
         with timer.phase("classifier"):
             run.pfc.accumulate(batch.labels, len(parts))
-    loss = 0.0
+    loss, sums = 0.0, None
     for part in parts:
         with timer.phase("backbone forward"):
             with mx.autograd.record():
@@ -368,6 +367,11 @@ def train_step(run: Run, batch: Batch, lr: float, timer=None) -> float:
             loss = loss + part_loss  # each part's share of the whole batch's mean
         with timer.phase("backbone backward"):
             embeddings.backward(grad)
+            if len(parts) > 1:
+                sums = summed_gradients(run.net, ctx, sums)
+    if sums is not None:  # the micro-batches' sum, where the allreduce reads
+        for parameter, total in zip(trained(run.net), sums):
+            total.copyto(parameter.grad(ctx))
     with timer.phase("backbone allreduce"):
         trainer.allreduce_grads()
     with timer.phase("backbone update"):
@@ -382,20 +386,22 @@ def train_step(run: Run, batch: Batch, lr: float, timer=None) -> float:
                 clip_global_norm(grads, run.config.clip_grad, unit=trainer._scale / batch_size)
             trainer.set_learning_rate(lr)
             trainer.update(batch_size)
-        if len(parts) > 1:  # grad_req "add": the next step starts from zero
-            for parameter in trained(run.net):
-                parameter.zero_grad()
     with timer.phase("classifier update"):
         run.pfc.step(lr * run.config.center_lr_scale)
     return float(loss.asscalar())
 
 
-def accumulate_gradients(net, micro_batches: int) -> None:
-    """With more than one micro-batch per step, their backward passes add up
-    (grad_req "add"; train_step zeroes the sums after each update)."""
-    if micro_batches > 1:
-        for parameter in trained(net):
-            parameter.grad_req = "add"
+def summed_gradients(net, ctx: mx.Context, sums: list | None) -> list:
+    """The backbone's gradients of this backward added to `sums` (a copy of them after
+    the first micro-batch). Not grad_req "add": the CPU's PReLU kernel only writes its
+    gradients, and MXNet's LeakyReLU, which would take its place, gets the slopes'
+    gradient wrong in some graphs (cpu_prelu.py)."""
+    grads = [p.grad(ctx) for p in trained(net)]
+    if sums is None:
+        return [grad.copy() for grad in grads]
+    for total, grad in zip(sums, grads):
+        total += grad
+    return sums
 
 
 def micro_batches(batch: Batch, count: int) -> list[Batch]:
@@ -403,6 +409,9 @@ def micro_batches(batch: Batch, count: int) -> list[Batch]:
     batch_size: Config.images_per_step)."""
     if count == 1:
         return [batch]
+    if len(batch.labels) % count or len(batch.images) != len(batch.labels):
+        raise ValueError(f"a batch of {len(batch.images)} images and {len(batch.labels)} "
+                         f"labels does not cut into {count} equal micro-batches")
     size = len(batch.labels) // count
     return [Batch(batch.images[i * size:(i + 1) * size], batch.labels[i * size:(i + 1) * size])
             for i in range(count)]

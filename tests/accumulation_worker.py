@@ -1,7 +1,8 @@
 """One rank of the gradient accumulation test; launched alone, by horovodrun or mpirun.
 
 Two replicas of the same run, on every rank: the trainer's own train_step with each
-rank's batch of 2 B in 2 accumulated micro-batches of B, and with the 2 B at once.
+rank's batch of 2 B in 2 accumulated micro-batches of B, and with the 2 B at once,
+each through the graph the CPU trains (with the project's PReLU kernel).
 After three steps, the backbone (SGD with momentum, or AdamW), the class centers and
 their states must agree to float32 rounding, and every step's loss. The backbone is
 two fully connected layers with a PReLU between: no BatchNorm, whose statistics of a
@@ -23,7 +24,7 @@ from mxnet.gluon import nn
 from partial_fc_mx import dist, train
 from partial_fc_mx.config import Config
 from partial_fc_mx.data.loader import Batch
-from partial_fc_mx.run.precision import LossScaler
+from partial_fc_mx.run.precision import LossScaler, training_model
 
 INPUT, EMBEDDING, CLASSES, BATCH, STEPS = 48, 16, 400, 6, 3
 TOLERANCE = 1e-5
@@ -35,9 +36,11 @@ def replica(config: Config, world: dist.World, micro_batches: int) -> SimpleName
     net.add(nn.Dense(32, in_units=INPUT), nn.PReLU(in_channels=32),
             nn.Dense(EMBEDDING, in_units=32))
     net.initialize(mx.init.Xavier())
+    net.hybridize(static_alloc=True, static_shape=True)  # as build_backbone does
     config = replace(config, gradient_accumulation=micro_batches)
-    train.accumulate_gradients(net, micro_batches)
-    return SimpleNamespace(config=config, world=world, ctx=mx.cpu(), net=net, model=net,
+    model = training_model(net, mx.cpu(), "float32")  # with the CPU's PReLU kernel
+    assert "pfc_prelu" in model._cached_graph[1].tojson()
+    return SimpleNamespace(config=config, world=world, ctx=mx.cpu(), net=net, model=model,
                            trainer=train.make_trainer(config, net),
                            pfc=train.build_classifier(config, world, mx.cpu()),
                            scaler=LossScaler.resumed(False, None))

@@ -21,6 +21,8 @@ BENCHMARKS = {
     "ops": "the operators PartialFC chose, next to alternatives",
     "prelu": "the backbones' PReLU on the CPU: MXNet's LeakyReLU against the project's kernel",
     "anchor": "arcface_torch's PartialFC_V2 at pfc's shapes (in a torch environment)",
+    "backbone_anchor": "arcface_torch's backbones' forward and backward, beside train's "
+                       "(in a torch environment)",
     "data": "decode throughput against mx.io.ImageRecordIter",
     "save": "the cost of durable, checksummed checkpoint files",
     "saving": "what a save costs the run: checkpoint, ONNX export inline or in the background",

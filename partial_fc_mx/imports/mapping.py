@@ -62,7 +62,9 @@ def named_layers(block, prefix: str = ""):
     checkpoints name its parameters), in the order they were added, or in the
     `compute_order` a block that computes them in another order names."""
     children = block._children
-    for name in getattr(block, "compute_order", children):
+    order = getattr(block, "compute_order", children)
+    assert sorted(order) == sorted(children), f"{type(block).__name__}.compute_order"
+    for name in order:
         yield f"{prefix}{name}", children[name]
         yield from named_layers(children[name], f"{prefix}{name}.")
 

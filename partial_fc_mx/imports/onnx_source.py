@@ -174,10 +174,10 @@ def layers_of(nodes, constants: dict, path: str) -> list:
             if bias is not None:
                 dense = layers[biases.pop(into[0])]
                 dense.bias, dense.output = bias.reshape(-1), output
-        elif op == "Add" and started and (table := next(
+        elif op == "Add" and len(layers) == 1 and isinstance(layers[0], Conv) and (table := next(
                 (constants[i] for i in node.input if constants.get(i) is not None
-                 and constants[i].ndim == 3), None)) is not None:
-            layers.append(Position(table, output))  # tokens x width: a ViT's positions
+                 and constants[i].ndim == 3 and constants[i].shape[0] == 1), None)) is not None:
+            layers.append(Position(table, output))  # 1 x tokens x width after the patches
         elif op in UNSUPPORTED and started:
             raise BackboneImportError(f"{named}: our networks have no such operation there; "
                                       "not an IResNet or MobileFaceNet of arcface_torch's")

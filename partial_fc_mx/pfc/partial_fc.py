@@ -199,6 +199,7 @@ class PartialFC:
                 index, target_col = self.sample(batch.labels)
                 rows = subcenter_index(index, self.subcenters)
             else:  # the accumulated batch's sample, drawn once
+                accumulation.check(batch.labels)  # every rank sees the same labels
                 index, rows = accumulation.index, accumulation.rows
                 target_col = self._target_columns(index, batch.labels)
         with self.timer.phase("compute"):
@@ -305,8 +306,8 @@ class PartialFC:
             self.centers.bring_current(rows)
             w = self.centers.sampled_weights(rows)
             v, w_scale = self._scaled_centers(w)
-        self._accumulation = Accumulation(index, rows, len(gathered), micro_batches, w, v,
-                                          w_scale)
+        self._accumulation = Accumulation(index, rows, np.unique(gathered), len(gathered),
+                                          micro_batches, w, v, w_scale)
 
     def step(self, lr: float) -> None:
         """The centers' optimizer step on the rows sampled by the last forward_backward
@@ -314,9 +315,11 @@ class PartialFC:
         if self._pending is None:
             raise RuntimeError("PartialFC.step() needs a forward_backward() first")
         if self._accumulation is not None:
-            if self._accumulation.left:
+            if self._accumulation.left or self._accumulation.seen != self._accumulation.samples:
                 raise RuntimeError(f"PartialFC.step() with {self._accumulation.left} of "
-                                   "the accumulated micro-batches still to come")
+                                   "the accumulated micro-batches still to come, "
+                                   f"{self._accumulation.samples - self._accumulation.seen} "
+                                   "of their rows")
             self._accumulation = None
         index, w, grad_w = self._pending
         self._pending = None
@@ -479,6 +482,8 @@ class Accumulation:
 
     index: np.ndarray | None
     rows: np.ndarray | None
+    labels: np.ndarray
+    """The accumulated global batch's classes (sorted, once each)."""
     samples: int
     left: int
     w: mx.nd.NDArray
@@ -486,6 +491,16 @@ class Accumulation:
     w_scale: mx.nd.NDArray
     grad: mx.nd.NDArray | None = None
     filtered: tuple = (0, 0)
+    seen: int = 0
+
+    def check(self, labels: np.ndarray) -> None:
+        """A micro-batch (its global labels, the same on every rank: so is the answer)
+        must be part of the batch accumulate() sampled for."""
+        self.seen += len(labels)
+        if self.seen > self.samples or not np.isin(labels, self.labels).all():
+            raise dist.agreed(PartialFCInputError(
+                "a micro-batch that is not part of the batch given to accumulate(): its "
+                f"labels or its {self.seen} of {self.samples} rows so far"))
 
     def add(self, grad_v: mx.nd.NDArray) -> mx.nd.NDArray:
         """The centers' gradient summed over the micro-batches so far (grad_v is a
