@@ -299,8 +299,9 @@ class PartialFC:
         if self._accumulation is not None or self._pending is not None:
             raise RuntimeError("PartialFC.accumulate() while a step is open: step() first")
         with mx.autograd.pause():
-            gathered = self._gathered_labels(labels, len(labels), self.embedding_size,
-                                             np.ones(len(labels)))
+            meta = self._gathered_meta(labels, len(labels), self.embedding_size,
+                                       np.ones(len(labels)))
+            gathered = meta[:, 0].astype(np.int64)
             index, _ = self.sample(gathered)
             rows = subcenter_index(index, self.subcenters)
             self.centers.bring_current(rows)
@@ -340,10 +341,6 @@ class PartialFC:
         mine = np.flatnonzero(meta[:, 1] == self.rank)
         start = int(mine[0]) if len(mine) else 0
         return GatheredBatch(gathered, meta[:, 0].astype(np.int64), start, start + len(mine))
-
-    def _gathered_labels(self, labels, rows: int, width: int, finite) -> np.ndarray:
-        """Every rank's labels, in rank order, once every rank has checked them."""
-        return self._gathered_meta(labels, rows, width, finite)[:, 0].astype(np.int64)
 
     def _gathered_meta(self, labels, rows: int, width: int, finite) -> np.ndarray:
         """Each label with its rank, its batch's shape and whether its embedding is
