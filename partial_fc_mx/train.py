@@ -357,7 +357,7 @@ def train_step(run: Run, batch: Batch, lr: float, timer=None) -> float:
         with timer.phase("classifier"):
             run.pfc.accumulate(batch.labels, len(parts))
     loss, sums = 0.0, None
-    for part in parts:
+    for position, part in enumerate(parts):
         with timer.phase("backbone forward"):
             with mx.autograd.record():
                 embeddings = run.model(part.images)
@@ -367,11 +367,11 @@ def train_step(run: Run, batch: Batch, lr: float, timer=None) -> float:
             loss = loss + part_loss  # each part's share of the whole batch's mean
         with timer.phase("backbone backward"):
             embeddings.backward(grad)
-            if len(parts) > 1:
+            if position < len(parts) - 1:
                 sums = summed_gradients(run.net, ctx, sums)
-    if sums is not None:  # the micro-batches' sum, where the allreduce reads
+    if sums is not None:  # the earlier micro-batches' join the last's, where the allreduce reads
         for parameter, total in zip(trained(run.net), sums):
-            total.copyto(parameter.grad(ctx))
+            parameter.grad(ctx)[:] += total
     with timer.phase("backbone allreduce"):
         trainer.allreduce_grads()
     with timer.phase("backbone update"):
@@ -393,9 +393,10 @@ def train_step(run: Run, batch: Batch, lr: float, timer=None) -> float:
 
 def summed_gradients(net, ctx: mx.Context, sums: list | None) -> list:
     """The backbone's gradients of this backward added to `sums` (a copy of them after
-    the first micro-batch). Not grad_req "add": the CPU's PReLU kernel only writes its
-    gradients, and MXNet's LeakyReLU, which would take its place, gets the slopes'
-    gradient wrong in some graphs (cpu_prelu.py)."""
+    the first micro-batch: the next backward overwrites them). Not grad_req "add":
+    the CPU's PReLU kernel only writes its gradients, and MXNet's LeakyReLU, which
+    would take its place, gets the slopes' gradient wrong in some graphs
+    (cpu_prelu.py)."""
     grads = [p.grad(ctx) for p in trained(net)]
     if sums is None:
         return [grad.copy() for grad in grads]
