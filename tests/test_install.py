@@ -58,6 +58,36 @@ def test_a_check_build_without_the_marks_is_a_failure(tmp_path):
     assert summary(tmp_path, "error: no horovod\n").returncode != 0
 
 
+def test_check_builds_report_is_reused_until_what_decides_its_marks_changes(tmp_path):
+    """run.sh's set-up runs `horovodrun --check-build` (6-11 s) only when a package, the
+    Horovod extension or a library it loads changed since the last report: a venv
+    whose Horovod extension is a copy of the real one and whose horovodrun counts its
+    calls."""
+    venv, calls = tmp_path / "venv", tmp_path / "calls"
+    subprocess.run(["python3", "-m", "venv", "--without-pip", str(venv)], check=True,
+                   env={**os.environ, "PATH": SYSTEM_PATH}, timeout=120)
+    site = next(venv.glob("lib/python3*/site-packages"))
+    (site / "horovod" / "mxnet").mkdir(parents=True)
+    (site / "horovod" / "__init__.py").write_text("")
+    real = next((BIN.parent / "lib").glob("python3*/site-packages/horovod/mxnet/mpi_lib*.so"))
+    extension = site / "horovod" / "mxnet" / real.name
+    extension.write_bytes(real.read_bytes())
+    stub = venv / "bin" / "horovodrun"
+    stub.write_text(f"#!/bin/sh\necho call >>{calls}\ncat <<'EOF'\n"
+                    f"{CHECK_BUILD.format(nccl=' ')}EOF\n")
+    stub.chmod(0o755)
+    script = f"""VENV={venv} source {REPO}/setup-utils/install.sh
+check() {{ horovod_has_everything && echo "$1: $(wc -l <{calls})"; }}
+check first; check again
+mkdir {site}/another_package; check installed; check again
+printf x >>{extension}; check rebuilt; check again
+"""
+    result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n") == ["first: 1", "again: 1", "installed: 2", "again: 2",
+                                         "rebuilt: 3", "again: 3", ""], result.stdout
+
+
 # ----- MXNET_PACKAGE=preinstalled: an MXNet the system's python3 already has -----
 # The system python3's install folders: its site folders and where pip puts scripts and
 # data (the outermost of nested ones: on Debian /usr/local and /usr/lib/python3/...,
