@@ -16,6 +16,7 @@ from conftest import REPO, bfloat16_runs
 
 from partial_fc_mx.backbones import get_model
 from partial_fc_mx.config import Config
+from partial_fc_mx.pfc.centers import HOST_CHUNK_ELEMENTS
 from partial_fc_mx.run import checkpoint
 from partial_fc_mx.run.export import export_onnx, load_backbone, parity
 from partial_fc_mx.run.precision import (
@@ -23,6 +24,7 @@ from partial_fc_mx.run.precision import (
     all_finite,
     build_backbone,
     clip_global_norm,
+    fused_all_finite,
     mixed_precision_graph,
     training_model,
 )
@@ -30,37 +32,55 @@ from partial_fc_mx.run.precision import (
 FINITE_CHECK = """
 import mxnet as mx, numpy as np
 from partial_fc_mx.config import Config
-from partial_fc_mx.run.precision import all_finite, build_backbone
-for name in ("r50", "r100"):
-    net, _ = build_backbone(Config(network=name, embedding_size=64), mx.cpu())
-    arrays = [p.data() for p in net.collect_params().values()]
-    clean = all_finite(arrays)
-    arrays[-1][:] = np.nan  # the last parameter: past any chunk of 200
-    print(name, len(arrays), clean, all_finite(arrays), flush=True)
-many = [mx.nd.ones(3) for _ in range(401)] + [mx.nd.ones(2, dtype="float16")] * 201
-print("mixed", all_finite(many), end=" ")
-many[400][1] = np.inf
-print(all_finite(many), flush=True)
+from partial_fc_mx.run.precision import all_finite, build_backbone, fused_all_finite
+for check in (all_finite, fused_all_finite):
+    for name in ("r50", "r100"):
+        net, _ = build_backbone(Config(network=name, embedding_size=64), mx.cpu())
+        arrays = [p.data() for p in net.collect_params().values()]
+        clean = check(arrays)
+        arrays[-1][:] = np.nan  # the last parameter: past any chunk of 200
+        print(check.__name__, name, len(arrays), clean, check(arrays), flush=True)
+    many = [mx.nd.ones(3) for _ in range(401)] + [mx.nd.ones(2, dtype="float16")] * 201
+    print(check.__name__, "mixed", check(many), end=" ")
+    many[400][1] = np.inf
+    print(check(many), flush=True)
 """
 
 
 def test_all_finite_checks_the_parameters_of_r50_and_r100():
-    """multi_all_finite takes at most 200 arrays (201 crash MXNet 1.9.1): r50 has 396
+    """On the host (numpy) and with the GPU's fused kernel run on the CPU:
+    multi_all_finite takes at most 200 arrays (201 crash MXNet 1.9.1): r50 has 396
     parameters, r100 771. In a separate process, so that a crash fails the test."""
     result = subprocess.run([sys.executable, "-c", FINITE_CHECK], cwd=REPO, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:]
-    assert "r50 396 True False" in result.stdout
-    assert "r100 771 True False" in result.stdout
-    assert "mixed True False" in result.stdout
+    for check in ("all_finite", "fused_all_finite"):
+        assert f"{check} r50 396 True False" in result.stdout
+        assert f"{check} r100 771 True False" in result.stdout
+        assert f"{check} mixed True False" in result.stdout
 
 
-def test_all_finite_checks_each_dtype():
+@pytest.mark.parametrize("check", [all_finite, fused_all_finite])
+def test_all_finite_checks_each_dtype(check):
     half = mx.nd.array([1.0, np.nan]).astype("float16")
     full = mx.nd.ones(3)
-    assert all_finite([full, mx.nd.ones(2).astype("float16")])
-    assert not all_finite([full, half])
-    assert not all_finite([mx.nd.array([np.inf]), half.astype("float32")])
+    assert check([full, mx.nd.ones(2).astype("float16")])
+    assert not check([full, half])
+    assert not check([mx.nd.array([np.inf]), half.astype("float32")])
+
+
+def test_a_host_array_is_checked_to_its_last_part():
+    """A block of centers larger than one host copy (HOST_CHUNK_ELEMENTS): the value
+    in its last row, past the first part, is seen."""
+    width = 512
+    rows = HOST_CHUNK_ELEMENTS // width + 3
+    block = mx.nd.zeros((rows, width))
+    assert all_finite([block])
+    block[rows - 1, width - 1] = np.inf
+    assert not all_finite([block])
+    block[rows - 1, width - 1] = 0
+    block[0, 0] = np.nan
+    assert not all_finite([block])
 
 
 def node_types(graph: mx.sym.Symbol) -> dict:

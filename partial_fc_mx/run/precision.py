@@ -31,6 +31,7 @@ from ..backbones import get_model, graph_of
 from ..backbones.float32 import float32_operators
 from ..data.transforms import FACE_SIZE
 from ..errors import UserError
+from ..pfc.centers import HOST_CHUNK_ELEMENTS
 from ..pfc.threads import rank_threads
 from .cpu_prelu import with_prelu_kernel
 
@@ -47,9 +48,28 @@ class PrecisionError(UserError, ValueError):
 
 
 def all_finite(arrays: list) -> bool:
-    """No NaN or Inf in any of `arrays`: one fused check per dtype (multi_all_finite
-    needs its inputs alike: float16 centers beside float32 states) and per 200 arrays
-    (its limit; r50 has 396 parameters)."""
+    """No NaN or Inf in any of `arrays`: those in host memory checked by numpy, the
+    others by MXNet's fused kernel (fused_all_finite). On the host numpy is about 15x
+    faster: 0.04 s against 0.6 s for 47 M float32 values here, which r50's parameters
+    are; a save checks every weight it writes."""
+    on_host = [array for array in arrays if array.context.device_type.startswith("cpu")]
+    on_device = [array for array in arrays if not array.context.device_type.startswith("cpu")]
+    return all(map(host_all_finite, on_host)) and fused_all_finite(on_device)
+
+
+def host_all_finite(array: mx.nd.NDArray) -> bool:
+    """No NaN or Inf in a host array, copied out a part at a time (a block of class
+    centers can be larger than the host's free memory)."""
+    rows = max(1, HOST_CHUNK_ELEMENTS // (array.size // array.shape[0]))
+    return all(np.isfinite(array[low:low + rows].asnumpy()).all()
+               for low in range(0, array.shape[0], rows))
+
+
+def fused_all_finite(arrays: list) -> bool:
+    """No NaN or Inf in any of `arrays` (a GPU's: one kernel per chunk, no copy to the
+    host): one fused check per dtype (multi_all_finite needs its inputs alike: float16
+    centers beside float32 states) and per 200 arrays (its limit; r50 has 396
+    parameters)."""
     by_dtype: dict = {}
     for array in arrays:
         by_dtype.setdefault(array.dtype, []).append(array)
