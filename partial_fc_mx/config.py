@@ -287,7 +287,7 @@ class Config:
             raise ConfigError(problem)
         if problem := tensor_size_problem(self.num_classes, world_size, self.embedding_size,
                                           self.sample_rate, self.batch_size * world_size,
-                                          self.num_subcenters):
+                                          self.num_subcenters, self.gradient_accumulation):
             raise ConfigError(problem)
 
     def augmentation(self) -> Augmentation:

@@ -129,6 +129,18 @@ def test_memory_estimate_counts_sub_centers_and_the_filters_mask():
     assert filtered.logits == plain.logits + n * batch * 4
 
 
+def test_memory_estimate_with_accumulation_samples_for_every_micro_batch():
+    """4 micro-batches of 64 rows: their positives (up to 256 classes) pass the rate's
+    100; the logits are one micro-batch's; the sampled rows' gradient is summed in one
+    more row of D floats each."""
+    one = estimate_memory(1000, 512, 1, 0, 0.1, 64)
+    four = estimate_memory(1000, 512, 1, 0, 0.1, 64, micro_batches=4)
+    assert one.logits == LOGIT_MATRICES * 100 * 64 * 4
+    assert four.logits == LOGIT_MATRICES * 256 * 64 * 4
+    assert four.sampled_rows == 256 * (one.sampled_rows // 100 + 512 * 4)
+    assert four.centers == one.centers
+
+
 @pytest.mark.parametrize("optimizer", [SGD(), AdamW()])
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_memory_estimate_covers_the_buffers_an_update_keeps(optimizer, dtype):
@@ -173,6 +185,17 @@ def test_logits_larger_than_one_mxnet_array_are_named():
     assert tensor_size_problem(2_097_150, 1, 8, global_batch=1024) is None
     found = tensor_size_problem(2_097_151, 1, 8, global_batch=1024)
     assert "(+1 spare) have 2,147,483,648 elements" in found
+
+
+def test_with_accumulation_the_sample_holds_every_micro_batchs_positives():
+    """k micro-batches of 4096 rows: one sample for the positives of all k x 4096 (at
+    most 4096 k classes), each micro-batch's 4096 rows of logits against it; from
+    k = 128 (524,288 + 1 columns) they pass 2^31 elements."""
+    assert tensor_size_problem(8_000_000, 8, 512, sample_rate=0.1, global_batch=4096,
+                               micro_batches=127) is None
+    found = tensor_size_problem(8_000_000, 8, 512, sample_rate=0.1, global_batch=4096,
+                                micro_batches=128)
+    assert "global batch of 4096 against the 524288 centers one process samples" in found
 
 
 def test_an_int64_build_has_no_size_limit(monkeypatch):

@@ -10,7 +10,8 @@ import pytest
 from conftest import config_file, horovodrun_gloo, run
 
 from partial_fc_mx.config import Config, ConfigError, load_config
-from partial_fc_mx.sizing.memory import GiB, estimate_run_memory
+from partial_fc_mx.sizing.memory import IMAGE_BYTES, GiB, estimate_run_memory
+from partial_fc_mx.sizing.pfc_memory import LOGIT_MATRICES
 from partial_fc_mx.sizing.plan import format_plan, make_plan
 
 
@@ -61,11 +62,26 @@ def test_processes_sharing_a_host_each_get_their_share():
     assert short.available < need and not short.fits
 
 
-def test_the_plan_lists_the_collectives_a_real_step_calls(tmp_path, synthetic):
+def in_call_order(collectives: list) -> list:
+    """The plan's collectives as a step calls them: a run of those called once per
+    micro-batch repeats as a whole, micro-batch after micro-batch."""
+    order, start = [], 0
+    while start < len(collectives):
+        end = start
+        while end < len(collectives) and collectives[end].calls == collectives[start].calls:
+            end += 1
+        order += collectives[start:end] * collectives[start].calls
+        start = end
+    return order
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_the_plan_lists_the_collectives_a_real_step_calls(tmp_path, synthetic, accumulation):
     """plan's collectives against those two ranks call in a real training step, recorded
     by tests/collectives_worker.py around Horovod's own functions: a collective added to
-    the step, dropped from it or changed in size fails here."""
-    config = config_file(tmp_path, synthetic, max_steps=3)
+    the step, dropped from it or changed in size fails here; with gradient accumulation,
+    the accumulated batch's labels once and each micro-batch's own."""
+    config = config_file(tmp_path, synthetic, max_steps=3, gradient_accumulation=accumulation)
     recorded = tmp_path / "recorded"
     result = horovodrun_gloo(2, [sys.executable, "tests/collectives_worker.py", str(recorded),
                                  "train", str(config), "--work-dir", str(tmp_path / "work")],
@@ -75,9 +91,10 @@ def test_the_plan_lists_the_collectives_a_real_step_calls(tmp_path, synthetic):
     assert ranks[0]["steps"] == 3 and ranks[0]["calls"] == ranks[1]["calls"]
     calls = ranks[0]["calls"]
     plan = make_plan(load_config(config), 2, host_memory=24.0)
-    assert [(c.op, c.payload) for c in plan.collectives] == [
+    planned_calls = in_call_order(plan.collectives)
+    assert [(c.op, c.payload) for c in planned_calls] == [
         (call["op"], call["bytes"]) for call in calls], calls
-    for planned, call in zip(plan.collectives, calls):  # "48 x 64 float32"
+    for planned, call in zip(planned_calls, calls):  # "48 x 64 float32"
         if not call.get("gradients"):
             [shape], [dtype] = call["shapes"], call["dtypes"]
             assert planned.shape == f"{' x '.join(map(str, shape))} {dtype}", (planned, call)
@@ -96,6 +113,26 @@ def test_the_step_flops_of_a_small_run():
     assert plan.sampled == 100_000
     assert plan.gemm_flops == 3 * 2 * n * 100_000 * 8
     assert plan.backbone_flops == 3 * 2 * 4 * plan.backbone_macs > 0
+
+
+def test_accumulation_counts_its_copies_its_sample_and_each_micro_batchs_work():
+    """gradient_accumulation = 5: the summed gradients (one more copy) and the other
+    four micro-batches' images; one sample for the positives of all five (5 x 8 x 2 =
+    80 rows, past the rate's 50 of a rank's 500 classes) and five micro-batches'
+    FLOPs; the memory the preflight estimates."""
+    small = dict(num_classes=1000, sample_rate=0.1, batch_size=8)
+    one = make_plan(config(**small), 2, gpu_memory=80.0)
+    five = make_plan(config(**small, gradient_accumulation=5), 2, gpu_memory=80.0)
+    assert "backbone accumulation" not in one.parts()
+    assert five.parts()["backbone accumulation"] == 4 * five.parameters + 4 * 8 * IMAGE_BYTES
+    assert five.memory == estimate_run_memory(five.config, 2, 0, "float32", "gpu")
+    assert sum(five.parts().values()) == five.memory.total
+    assert (one.sampled, five.sampled) == (50, 80)
+    assert five.memory.partial_fc.logits == LOGIT_MATRICES * 80 * 16 * 4  # one micro-batch's
+    assert five.gemm_flops == 5 * 3 * 2 * 16 * 80 * 128 == 8 * one.gemm_flops
+    assert five.backbone_flops == 5 * one.backbone_flops
+    assert "5 micro-batches per optimizer step (its sample drawn from all 80 images)" in \
+        format_plan(five)
 
 
 def test_the_trainers_refusal_is_a_problem_whatever_the_memory():

@@ -47,6 +47,8 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     plan.add_argument("--num-subcenters", type=int,
                       help="sub-center ArcFace's centers per class (K times the rows)")
     plan.add_argument("--optimizer", help="the backbone's: sgd or adamw")
+    plan.add_argument("--gradient-accumulation", type=int,
+                      help="micro-batches of --batch-size per optimizer step")
     plan.add_argument("--gpus", "--processes", type=int, dest="world_size",
                       help="how many (default: the fewest the run fits on)")
     room = plan.add_mutually_exclusive_group(required=True)
@@ -79,7 +81,8 @@ def model_command(args: argparse.Namespace) -> int:
 
 
 PLAN_KEYS = ("num_classes", "embedding_size", "sample_rate", "batch_size", "network", "fp16",
-             "fp16_centers", "center_optimizer", "optimizer", "num_subcenters")
+             "fp16_centers", "center_optimizer", "optimizer", "num_subcenters",
+             "gradient_accumulation")
 
 
 def plan_command(args: argparse.Namespace) -> int:

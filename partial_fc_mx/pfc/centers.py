@@ -425,17 +425,19 @@ def center_dtype(fp16_centers: bool) -> str:
 
 def tensor_size_problem(num_classes: int, world_size: int, embedding_size: int,
                         sample_rate: float = 1.0, global_batch: int = 0,
-                        subcenters: int = 1) -> str | None:
+                        subcenters: int = 1, micro_batches: int = 1) -> str | None:
     """Why the n x D sampled centers or the N x n logits of a step would not fit in one
     MXNet array of this build, or None (the logits only when `global_batch` is given);
-    with sub-centers, n counts each sampled class's `subcenters` rows.
+    with sub-centers, n counts each sampled class's `subcenters` rows; with
+    `micro_batches` (gradient accumulation) the sample holds the positives of all of
+    them, and each micro-batch's N rows meet it.
     Checked before anything is allocated, on every rank alike: MXNet itself fails only
     when the allocation is tried, and names no setting to change. (The shard itself is
     stored in blocks that each fit: ClassCenters.)"""
     if mx.runtime.Features().is_enabled("INT64_TENSOR_SIZE"):
         return None
     rows = shard_of(num_classes, 0, world_size).count  # rank 0's shard is the largest
-    sampled = sampled_per_step(rows, sample_rate, global_batch) * subcenters
+    sampled = sampled_per_step(rows, sample_rate, global_batch * micro_batches) * subcenters
     if (sampled + SPARE_CENTERS) * embedding_size > INT32_ELEMENTS:
         fewest = math.ceil(num_classes * sample_rate * subcenters
                            / (INT32_ELEMENTS // embedding_size - SPARE_CENTERS))

@@ -44,6 +44,9 @@ PLANNED_BATCHES = (8, 16)
 beside a fixed part (a 16-bit graph's casts of the weights), and an executor bound at
 the configured batch would reserve that much address space."""
 
+IMAGE_BYTES = 3 * FACE_SIZE * FACE_SIZE * 4
+"""One input image as the step holds it: float32, normalized (data/loader.py)."""
+
 ONEDNN_COPIES = {"Convolution", "BatchNorm", "LeakyReLU"}
 """Operators whose outputs oneDNN keeps a second copy of on a CPU (r18 at batch 16:
 96 MB an image resident with oneDNN, 61 MB with MXNET_MKLDNN_ENABLED=0, 48 MB
@@ -59,10 +62,15 @@ class BackboneMemory:
     """The optimizer's states (SGD: momentum; AdamW: two moments)."""
     activations: int
     """What a training step at the configured batch holds between forward and backward."""
+    accumulation: int = 0
+    """With gradient_accumulation k > 1: the earlier micro-batches' gradients, summed in
+    one more copy of them, and the images of the k - 1 micro-batches beside the one
+    computing (the loader's batch holds all k)."""
 
     @property
     def total(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.activations
+        return (self.weights + self.gradients + self.optimizer + self.activations
+                + self.accumulation)
 
 
 @dataclass(frozen=True)
@@ -96,7 +104,7 @@ def partial_fc_memory(config: Config, world_size: int, rank: int) -> PartialFCMe
         config.num_classes, config.embedding_size, world_size, rank, config.sample_rate,
         config.batch_size * world_size, config.fp16_centers, config.centers_optimizer(),
         config.center_update_mode(), config.num_subcenters,
-        config.interclass_filtering_threshold > 0)
+        config.interclass_filtering_threshold > 0, config.gradient_accumulation)
 
 
 def backbone_memory(config: Config, dtype: str, device: str = "cpu") -> BackboneMemory:
@@ -114,8 +122,11 @@ def backbone_memory(config: Config, dtype: str, device: str = "cpu") -> Backbone
     trainable = sum(size for name, size in sizes.items() if name not in frozen)
     statistics = sum(int(np.prod(shape)) for shape in auxiliary)
     states = optimizer_states(config)
+    others = config.gradient_accumulation - 1
+    accumulation = (others > 0) * 4 * trainable + others * config.batch_size * IMAGE_BYTES
     return BackboneMemory(4 * (sum(sizes.values()) + statistics), 4 * trainable,
-                          4 * states * trainable, activation_bytes(graph, data, device))
+                          4 * states * trainable, activation_bytes(graph, data, device),
+                          accumulation)
 
 
 def activation_bytes(graph: mx.sym.Symbol, data: tuple, device: str) -> int:

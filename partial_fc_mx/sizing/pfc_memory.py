@@ -62,13 +62,16 @@ def estimate_memory(
     center_update: str = "lazy",
     subcenters: int = 1,
     filtering: bool = False,
+    micro_batches: int = 1,
 ) -> PartialFCMemory:
     """`optimizer`: the centers' (default: SGD with momentum, one state as wide as a row);
     `center_update` as PartialFC's ("exact" keeps a step count per row); `subcenters`:
     rows per class (K times the rows, the sampled rows and the logits, and an N x n
     matrix of the classes' logits beside them); `filtering`: the inter-class filter,
     whose MXNet-operator path (a GPU's) keeps an N x n mask (the CPU's kernel none:
-    counted anyway)."""
+    counted anyway); `micro_batches` (gradient accumulation, each of `global_batch`
+    rows): one sample for the positives of all of them, the logits of one at a time,
+    and the sampled rows' gradient summed over them in one more buffer."""
     optimizer = optimizer or SGD()
     classes = shard_of(num_classes, rank, world_size).count
     rows = classes * subcenters
@@ -76,7 +79,7 @@ def estimate_memory(
     states = optimizer.states(embedding_size, dtype).values()
     state_bytes = sum(width * np.dtype(state_dtype).itemsize for width, state_dtype in states)
     state_bytes += STEP_BYTES * (center_update == "exact")
-    sampled_classes = sampled_per_step(classes, sample_rate, global_batch)
+    sampled_classes = sampled_per_step(classes, sample_rate, global_batch * micro_batches)
     sampled = sampled_classes * subcenters
     fp32 = 4
     # float32 work copies of the sampled rows, their scaled copy (v in partial_fc.py),
@@ -87,8 +90,9 @@ def estimate_memory(
                       for width, state_dtype in states if state_dtype != "float32"))
     # a shard in several blocks joins each block's float32 rows in one more buffer
     joined = embedding_size * fp32 * (rows > rows_per_block(embedding_size))
+    summed_gradient = embedding_size * fp32 * (micro_batches > 1)
     sampled_rows = sampled * ((3 * embedding_size + sum(width for width, _ in states)) * fp32
-                              + gathered + joined)
+                              + gathered + joined + summed_gradient)
     class_matrices = (subcenters > 1) + filtering
     return PartialFCMemory(rows * embedding_size * np.dtype(dtype).itemsize, rows * state_bytes,
                           sampled_rows, (LOGIT_MATRICES * sampled + class_matrices

@@ -32,6 +32,8 @@ class Collective:
     shape: str
     payload: int
     """Bytes of the tensor every rank holds afterwards."""
+    calls: int = 1
+    """How often an optimizer step calls it (gradient accumulation: once per micro-batch)."""
 
     def sent(self, world_size: int) -> int:
         """Bytes one rank sends (and receives) with a ring algorithm (NCCL's, Gloo's):
@@ -67,19 +69,22 @@ class Plan:
 
     @property
     def global_batch(self) -> int:
+        """The rows of one forward and backward (a micro-batch's, with accumulation)."""
         return self.config.batch_size * self.world_size
 
     @property
     def gemm_flops(self) -> int:
-        """Partial FC's three GEMMs on rank 0 per step (logits, the centers' gradient,
-        the embeddings' gradient), each 2 x N x n x D."""
-        return 3 * 2 * self.global_batch * self.sampled * self.config.embedding_size
+        """Partial FC's three GEMMs on rank 0 per optimizer step (logits, the centers'
+        gradient, the embeddings' gradient), each 2 x N x n x D per micro-batch."""
+        return (3 * 2 * self.global_batch * self.sampled * self.config.embedding_size
+                * self.config.gradient_accumulation)
 
     @property
     def backbone_flops(self) -> int:
-        """One rank's backbone per step: forward and backward, about 3 x the forward
-        (the backward computes the gradients of both the inputs and the weights)."""
-        return 3 * 2 * self.config.batch_size * self.backbone_macs
+        """One rank's backbone per optimizer step: forward and backward, about 3 x the
+        forward (the backward computes the gradients of both the inputs and the
+        weights)."""
+        return 3 * 2 * self.config.images_per_step() * self.backbone_macs
 
     @property
     def fits(self) -> bool:
@@ -93,6 +98,8 @@ class Plan:
             "backbone gradients": backbone.gradients,
             "backbone optimizer states": backbone.optimizer,
             "backbone activations": backbone.activations,
+            **({"backbone accumulation": backbone.accumulation} if backbone.accumulation
+               else {}),
             "class centers": pfc.weights,
             "center optimizer states": pfc.states,
             "per step: sampled rows": pfc.sampled_rows,
@@ -134,7 +141,7 @@ def make_plan(config: Config, world_size: int | None, *, gpu_memory: float | Non
     size = world_size or smallest or 1
     need = RunMemory(backbone, partial_fc_memory(config, size, 0))
     rows = shard_of(config.num_classes, 0, size).count
-    sampled = sampled_per_step(rows, config.sample_rate, config.batch_size * size) * \
+    sampled = sampled_per_step(rows, config.sample_rate, config.images_per_step() * size) * \
         config.num_subcenters
     return Plan(
         config, size, device, available(size), need, rows, sampled,
@@ -169,17 +176,20 @@ def smallest_world_size(config: Config, backbone_bytes: int,
 
 
 def collectives(config: Config, world_size: int, gradient_bytes: int) -> list[Collective]:
-    """Every collective of one training step, in the order a rank calls them
-    (partial_fc.py _forward_backward; train.py's gradient allreduce and stop flag; the
-    loader's agreement before the next batch), N = the global batch. tests/test_plan.py
-    holds this list to the collectives a real step records."""
-    n, d = config.batch_size * world_size, config.embedding_size
-    return [
-        Collective("labels and checks", "allgather", f"{n} x 5 float64", 8 * 5 * n),
-        Collective("embeddings", "allgather", f"{n} x {d} float32", 4 * n * d),
-        Collective("row max of the logits", "allreduce", f"{n} float32", 4 * n),
-        Collective("exp-sums and target logits", "allreduce", f"{n} x 2 float32", 4 * 2 * n),
-        Collective("embeddings' gradient", "allreduce", f"{n} x {d} float32", 4 * n * d),
+    """Every collective of one optimizer step, in the order a rank calls them
+    (partial_fc.py accumulate and _forward_backward, once per micro-batch; train.py's
+    gradient allreduce and stop flag; the loader's agreement before the next batch),
+    N = the global batch of one micro-batch. tests/test_plan.py holds this list to the
+    collectives a real step records."""
+    n, d, k = config.batch_size * world_size, config.embedding_size, config.gradient_accumulation
+    accumulated = [Collective("accumulated batch's labels", "allgather", f"{k * n} x 5 float64",
+                              8 * 5 * k * n)] if k > 1 else []
+    return accumulated + [
+        Collective("labels and checks", "allgather", f"{n} x 5 float64", 8 * 5 * n, k),
+        Collective("embeddings", "allgather", f"{n} x {d} float32", 4 * n * d, k),
+        Collective("row max of the logits", "allreduce", f"{n} float32", 4 * n, k),
+        Collective("exp-sums and target logits", "allreduce", f"{n} x 2 float32", 4 * 2 * n, k),
+        Collective("embeddings' gradient", "allreduce", f"{n} x {d} float32", 4 * n * d, k),
         Collective("backbone gradients", "allreduce",
                    f"{gradient_bytes // 4:,} float32", gradient_bytes),
         Collective("stop flag", "allreduce", "1 float64", 8),
@@ -208,10 +218,13 @@ def format_plan(plan: Plan) -> str:
              else f"{size} process(es) sharing a host, {plan.available / GiB:.1f} GiB each")
     subcenters = (f" of {config.num_subcenters} sub-centers each"
                   if config.num_subcenters > 1 else "")
+    k = config.gradient_accumulation
+    accumulated = (f", {k} micro-batches per optimizer step (its sample drawn from all "
+                   f"{k * plan.global_batch:,} images)" if k > 1 else "")
     lines = [
         f"{config.network} ({plan.parameters / 1e6:.1f} M parameters, backbone in "
         f"{backbone_bits}, {config.optimizer} optimizer), batch {config.batch_size} per rank "
-        f"(global {plan.global_batch:,}); {config.num_classes:,} classes x "
+        f"(global {plan.global_batch:,}){accumulated}; {config.num_classes:,} classes x "
         f"{config.embedding_size}, sample_rate {config.sample_rate:g}, "
         f"{center_dtype(config.fp16_centers)} centers, {config.center_optimizer} for the "
         f"centers; on {where}",
@@ -230,16 +243,18 @@ def format_plan(plan: Plan) -> str:
     lines.append(f"collectives per step (payload: the tensor every rank ends with; sent: "
                  f"what one rank sends, and receives, with a ring algorithm over {size}):")
     for c in plan.collectives:
+        calls = f" x {c.calls}" if c.calls > 1 else ""
         lines.append(f"  {c.op} {c.name:<27} {c.shape:<24} payload {size_text(c.payload)}"
-                     f"   sent {size_text(c.sent(size))}")
+                     f"   sent {size_text(c.sent(size))}{calls}")
     lines.append(f"  {'total':<38}{'':<24} payload "
-                 f"{size_text(sum(c.payload for c in plan.collectives))}   sent "
-                 f"{size_text(sum(c.sent(size) for c in plan.collectives))}")
+                 f"{size_text(sum(c.payload * c.calls for c in plan.collectives))}   sent "
+                 f"{size_text(sum(c.sent(size) * c.calls for c in plan.collectives))}")
+    micro = f"{k} x " if k > 1 else ""
     lines.append(
-        f"FLOPs per step per rank: Partial FC's 3 GEMMs 3 x 2 x {plan.global_batch:,} x "
+        f"FLOPs per step per rank: Partial FC's 3 GEMMs {micro}3 x 2 x {plan.global_batch:,} x "
         f"{plan.sampled:,} x {config.embedding_size} = {plan.gemm_flops / 1e12:.2f} TFLOP; "
         f"backbone forward + backward 3 x 2 x {plan.backbone_macs / 1e9:.2f} G multiply-adds "
-        f"x batch "
+        f"x batch {micro}"
         f"{config.batch_size} = {plan.backbone_flops / 1e12:.2f} TFLOP")
     for problem in plan.problems:
         lines.append(f"PROBLEM: {problem}")
