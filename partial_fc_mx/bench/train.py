@@ -53,6 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--cpu-precision says)")
     parser.add_argument("--cpu-precision", choices=CPU_PRECISIONS, default="auto",
                         help="config cpu_precision: what --fp16 means on a CPU")
+    parser.add_argument("--gradient-accumulation", type=int, default=1, metavar="K",
+                        help="micro-batches of --batch-size per step (pfc head only)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--output", default=str(Path(tempfile.gettempdir()) /
@@ -159,6 +161,8 @@ def measure_config(world: dist.World, network: str, batch: int, num_classes: int
                    args) -> dict:
     result = {"network": network, "batch": batch, "classes": num_classes, "head": head}
     ctx = dist.training_device(world)
+    if head == "fc" and args.gradient_accumulation > 1:
+        return {**result, "skipped": "gradient accumulation is Partial FC's (PartialFC.accumulate)"}
     if head == "fc" and (problem := data_parallel_problem(num_classes, args.embedding_size,
                                                           batch, world, ctx)):
         return {**result, "skipped": problem}
@@ -166,6 +170,7 @@ def measure_config(world: dist.World, network: str, batch: int, num_classes: int
                     embedding_size=args.embedding_size, batch_size=batch,
                     sample_rate=args.sample_rate, fp16_centers=args.fp16_centers,
                     fp16=args.fp16, cpu_precision=args.cpu_precision,
+                    gradient_accumulation=args.gradient_accumulation,
                     output=str(Path(args.output) / f"{network}-{batch}-{num_classes}-{head}"),
                     frequent=10**6)
     config.validate()
@@ -189,7 +194,7 @@ def measure_config(world: dist.World, network: str, batch: int, num_classes: int
         train.train_step(job, next(batches), 0.01, timer)
     phases = {name: 1e3 * total / args.steps for name, total in timer.seconds.items()}
     job.log.close()
-    global_batch = batch * world.size
+    global_batch = config.images_per_step() * world.size
     return {**result, "img_s": global_batch / statistics.median(seconds),
             "step_ms": 1e3 * statistics.median(seconds), "phases_ms": phases,
             "startup_s": startup}
@@ -202,7 +207,8 @@ def print_header(args, world: dist.World) -> None:
           f"MXNet {mx.__version__}; Partial FC "
           f"sample_rate {args.sample_rate}, "
           f"{'float16' if args.fp16_centers else 'float32'} centers; fc = data-parallel FC "
-          "over all classes")
+          f"over all classes; {args.gradient_accumulation} micro-batch(es) of the batch "
+          "per step")
     print("img/s = global batch / median step; phases (rank 0, ms) from separate steps "
           "synchronized at every phase; Partial FC's collectives are in 'classifier', the "
           "data-parallel FC's gradient allreduce in 'classifier update'; start-up = "
