@@ -396,7 +396,7 @@ def summed_gradients(net, ctx: mx.Context, sums: list | None) -> list:
     the first micro-batch: the next backward overwrites them). Not grad_req "add":
     the CPU's PReLU kernel only writes its gradients, and MXNet's LeakyReLU, which
     would take its place, gets the slopes' gradient wrong in some graphs
-    (cpu_prelu.py)."""
+    (cpu_kernels.py)."""
     grads = [p.grad(ctx) for p in trained(net)]
     if sums is None:
         return [grad.copy() for grad in grads]

@@ -614,7 +614,7 @@ def test_a_run_goes_on_from_the_latest_step_every_rank_saved(tmp_path):
 
 @pytest.mark.parametrize("prelu", ["mxnet", "kernel"])
 def test_our_arm_trains_the_prelu_its_recipe_names(prelu):
-    """"kernel": the trainer's CPU graph (run/cpu_prelu.py); "mxnet": LeakyReLU's."""
+    """"kernel": the trainer's CPU graph (run/cpu_kernels.py); "mxnet": LeakyReLU's."""
     import mxnet as mx
 
     from partial_fc_mx.config import Config

@@ -130,7 +130,7 @@ def test_centers_scale_and_projection_match_float64(name, rows, width):
 def test_each_vector_width_the_library_carries_passes_the_same_tests(march, tmp_path):
     """The library picks its code by the CPU it loads on, and this machine runs only one
     of the clones: built once per -march with no clones, the exp, softmax, projection,
-    SGD and replay (exact update) tests, and the PReLU kernel's, pass on the baseline
+    SGD and replay (exact update) tests, and the PReLU and LayerNorm kernels', pass on the baseline
     (SSE2) and AVX2-with-FMA code too. Only their cases that run the kernels: not the
     MXNet-operator (`composed`) ones, nor the whole backbones' graphs."""
     if march == "x86-64-v3" and not {"avx2", "fma"} <= cpu_flags():
@@ -141,9 +141,10 @@ def test_each_vector_width_the_library_carries_passes_the_same_tests(march, tmp_
             f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-k', "
             "'(exp or softmax or nan or non_finite or scale_and_projection or bit_for_bit "
             "or exact_equals_dense_over_200_steps_with_a_resume_on_another_world_size[True] "
-            "or prelu_kernel or slope_gradient or sub_center) and not composed', "
+            "or prelu_kernel or slope_gradient or layer_norm_kernel or layer_norms_same or "
+            "sub_center) and not composed', "
             f"{str(here / 'test_rows.py')!r}, {str(here / 'test_centers.py')!r}, "
-            f"{str(here / 'test_idle_rows.py')!r}, {str(here / 'test_cpu_prelu.py')!r}]))")
+            f"{str(here / 'test_idle_rows.py')!r}, {str(here / 'test_cpu_kernels.py')!r}]))")
     env = {**os.environ, "PARTIAL_FC_MX_KERNELS": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", code], env=env, text=True, capture_output=True,
                           timeout=600)

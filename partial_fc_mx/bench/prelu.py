@@ -1,4 +1,4 @@
-"""The backbones' PReLU on the CPU (run/cpu_prelu.py): a backbone's forward and backward
+"""The backbones' PReLU on the CPU (run/cpu_kernels.py): a backbone's forward and backward
 on random images with MXNet's LeakyReLU (the network's own graph) and with the
 project's kernel (the graph the trainer trains on the CPU), in turn in one process,
 so that both see the same machine; their medians and ratio.

@@ -64,8 +64,8 @@ class Recipe:
     prelu: str = "mxnet"
     """Ours only: "mxnet" computes PReLU with MXNet's LeakyReLU, whose slopes' gradient
     in this MLP's compiled graph comes out as the true one times the slopes (a quarter of
-    it at 0.25; tests/test_cpu_prelu.py); "kernel" with the kernel the trainer uses on a
-    CPU (run/cpu_prelu.py), as arcface_torch's autograd: the true gradient. The scale
+    it at 0.25; tests/test_cpu_kernels.py); "kernel" with the kernel the trainer uses on a
+    CPU (run/cpu_kernels.py), as arcface_torch's autograd: the true gradient. The scale
     task's runs of ours before 2026-11-26 are "mxnet", the default, so that they are
     reused as what they trained."""
     evaluations: int = 10

@@ -57,7 +57,7 @@ PASSING_SECONDS = 600
 ONEDNN_ISA_LINE = "dnnl_verbose,info,cpu,isa:"
 PROBE_RESULT = "PROBE "
 SOURCES = [Path(__file__), Path(__file__).with_name("precision.py"),
-           Path(__file__).with_name("cpu_prelu.py"), *kernels.SOURCES, kernels.HEADER,
+           Path(__file__).with_name("cpu_kernels.py"), *kernels.SOURCES, kernels.HEADER,
            *sorted((Path(__file__).parents[1] / "backbones").glob("*.py"))]
 """The code a probe runs besides MXNet (the training graph, its PReLU kernel among it):
 a change in it probes again."""

@@ -33,7 +33,7 @@ from ..data.transforms import FACE_SIZE
 from ..errors import UserError
 from ..pfc.centers import HOST_CHUNK_ELEMENTS
 from ..pfc.threads import rank_threads
-from .cpu_prelu import with_prelu_kernel
+from .cpu_kernels import with_cpu_kernels
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -102,7 +102,7 @@ def training_model(net: mx.gluon.HybridBlock, ctx: mx.Context,
                    dtype: str) -> mx.gluon.HybridBlock:
     """What computes the embeddings: `net` itself in float32 on a GPU; otherwise `net`'s
     graph in `dtype` (mixed_precision_graph) and, on the CPU, with the project's PReLU
-    kernel (cpu_prelu.py; float32 only, so not in float16, which only a GPU trains in;
+    kernel (cpu_kernels.py; float32 only, so not in float16, which only a GPU trains in;
     it writes gradients, so not where a parameter accumulates them, grad_req "add"),
     as a block whose parameters are `net`'s own float32 Parameter objects: an update
     of either is an update of both. Built from the symbol alone: nothing is computed,
@@ -113,7 +113,7 @@ def training_model(net: mx.gluon.HybridBlock, ctx: mx.Context,
         return net
     graph = graph_of(net) if dtype == "float32" else mixed_precision_graph(graph_of(net), dtype)
     if prelu_kernel:  # after AMP: its float32 casts for LeakyReLU serve the kernel
-        graph = with_prelu_kernel(graph, rank_threads())
+        graph = with_cpu_kernels(graph, rank_threads())
     block = mx.gluon.SymbolBlock(graph, [mx.sym.var("data", dtype="float32")],
                                  params=net.collect_params())
     block.hybridize(static_alloc=True, static_shape=True)

@@ -1,7 +1,8 @@
 """The project's C++ operators for the CPU, built on first use and loaded into MXNet with
 its library API (as `mx.library.load` does, without its cost: mxnet_library.py), which
 then offers them as mx.nd.pfc_* and mx.sym.pfc_*: Partial FC's row passes (rows.cc) and
-the backbones' PReLU (prelu.cc), one library, with what both need in common.h.
+the backbones' PReLU and LayerNorm (prelu.cc, layer_norm.cc), one library, with what
+they need in common.h.
 
 They are compiled on the machine that runs them, once per version of their sources, headers
 and MXNet, into PARTIAL_FC_MX_KERNELS (default: kernels/ in the toolkit's cache
@@ -34,7 +35,7 @@ from ...caches import default_cache_dir
 from ...errors import UserError
 
 FOLDER = Path(__file__).parent
-SOURCES = [FOLDER / "rows.cc", FOLDER / "prelu.cc"]
+SOURCES = [FOLDER / "rows.cc", FOLDER / "prelu.cc", FOLDER / "layer_norm.cc"]
 HEADER = FOLDER / "common.h"
 FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno",
          "-fno-trapping-math", "-Wl,-Bsymbolic"]

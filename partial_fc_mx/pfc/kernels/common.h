@@ -1,7 +1,7 @@
-// What every operator of the library needs (rows.cc, prelu.cc): the vector widths it is
-// built for, reading its attributes, its threads, and the checks MXNet asks for. Each
-// source includes it inside its own anonymous namespace: the library exports only the
-// operators that REGISTER_OP names.
+// What every operator of the library needs (rows.cc, prelu.cc, layer_norm.cc): the
+// vector widths it is built for, reading its attributes, its threads, and the checks
+// MXNet asks for. Each source includes it inside its own anonymous namespace: the
+// library exports only the operators that REGISTER_OP names.
 #ifndef PARTIAL_FC_MX_KERNELS_COMMON_H_
 #define PARTIAL_FC_MX_KERNELS_COMMON_H_
 

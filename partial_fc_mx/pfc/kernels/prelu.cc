@@ -1,5 +1,5 @@
 // PReLU with a slope per channel, forward and backward, for the backbones' training graph
-// on the CPU (partial_fc_mx/run/cpu_prelu.py puts it in place of MXNet's LeakyReLU).
+// on the CPU (partial_fc_mx/run/cpu_kernels.py puts it in place of MXNet's LeakyReLU).
 //
 // MXNet 1.9 computes act_type="prelu" outside oneDNN, with mshadow expressions whose
 // backward reduces the slopes' gradient element by element through broadcast indexing:
