@@ -394,9 +394,9 @@ def train_step(run: Run, batch: Batch, lr: float, timer=None) -> float:
 def summed_gradients(net, ctx: mx.Context, sums: list | None) -> list:
     """The backbone's gradients of this backward added to `sums` (a copy of them after
     the first micro-batch: the next backward overwrites them). Not grad_req "add":
-    the CPU's PReLU kernel only writes its gradients, and MXNet's LeakyReLU, which
-    would take its place, gets the slopes' gradient wrong in some graphs
-    (cpu_kernels.py)."""
+    the CPU's PReLU and LayerNorm kernels only write their gradients, and MXNet's
+    LeakyReLU, which would take the PReLU's place, gets the slopes' gradient wrong in
+    some graphs (cpu_kernels.py)."""
     grads = [p.grad(ctx) for p in trained(net)]
     if sums is None:
         return [grad.copy() for grad in grads]

@@ -130,36 +130,51 @@ install_fingerprint() {
 python_in_venv() { "$venv/bin/python" "$@"; }
 sees_system_packages() { grep -qx 'include-system-site-packages *= *true' "$venv/pyvenv.cfg"; }
 
-# What decides `horovodrun --check-build`'s marks: the site folders the venv imports
-# from (their listings with times: an install, upgrade or removal changes them), its
-# python and horovodrun, and Horovod's extensions with every shared library they load
-# (size and time: a rebuilt MXNet or another Open MPI changes them).
+# What decides `horovodrun --check-build`'s marks: the host and its CPU's flags, the site
+# folders the venv imports from (their listings with times: an install, upgrade or
+# removal changes them), its python and horovodrun, and Horovod's extensions with every
+# shared library they load (size and time: a rebuilt MXNet or another Open MPI changes
+# them), and any they cannot find. Fails, so that the report is made afresh, where any
+# of these cannot be read.
 check_build_inputs() {
-  local folders horovod_dir extensions libraries folder
+  local folders horovod_dir extensions linked libraries folder
+  command -v ldd >/dev/null || return 1
   folders=$(python_in_venv -c 'import os, sys
 print("\n".join(p for p in sys.path if os.path.isdir(p) and p.endswith(("site-packages", "dist-packages"))))') || return 1
   horovod_dir=$(python_in_venv -c 'import importlib.util as u
 print(u.find_spec("horovod").submodule_search_locations[0])' 2>/dev/null) || return 1
-  mapfile -t extensions < <(find "$horovod_dir" -name '*.so' | sort)
+  mapfile -t extensions < <(find "$horovod_dir" -name '*.so' 2>/dev/null | sort)
   [ "${#extensions[@]}" -gt 0 ] || return 1
-  while read -r folder; do echo "$folder"; ls -la --time-style=+%s "$folder"; done <<<"$folders"
-  libraries=$(ldd "${extensions[@]}" | awk '$2 == "=>" && $3 ~ /^\// { print $3 }' | sort -u)
+  echo "host $(uname -nm), CPU flags $(grep -m 1 '^flags' /proc/cpuinfo | sha256sum | cut -c1-16)"
+  while read -r folder; do
+    echo "$folder"
+    ls -la --time-style=+%s "$folder" 2>/dev/null || return 1
+  done <<<"$folders"
+  linked=$(ldd "${extensions[@]}" 2>/dev/null) || return 1
+  grep 'not found' <<<"$linked" || true
+  libraries=$(awk '$2 == "=>" && $3 ~ /^\// { print $3 }' <<<"$linked" | sort -u)
+  [ -n "$libraries" ] || return 1
   # shellcheck disable=SC2086  # one library per word
-  stat -L -c '%n %s %Y' "$venv/bin/python" "$venv/bin/horovodrun" "${extensions[@]}" $libraries
+  stat -L -c '%n %s %Y' "$venv/bin/python" "$venv/bin/horovodrun" "${extensions[@]}" \
+    $libraries 2>/dev/null
 }
 
 # --check-build's report, reused while check_build_inputs are the same: it imports each
 # framework in a process of its own and takes 6-11 s, which every run.sh paid before
-# training. Without those inputs (no Horovod yet) it always runs.
+# training. Kept per host (a venv on a shared folder serves several) and written whole
+# or not at all; without those inputs (no Horovod yet) it always runs.
 check_build_report() {
-  local cache="$venv/.partial_fc_mx-check-build" inputs report
+  local cache="$venv/.partial_fc_mx-check-build.$(uname -n)" inputs report
   inputs=$(check_build_inputs | sha256sum | cut -c1-16) || inputs=
   if [ -n "$inputs" ] && [ -f "$cache" ] && [ "$(head -n 1 "$cache")" = "$inputs" ]; then
     tail -n +2 "$cache"
     return 0
   fi
   report=$("$venv/bin/horovodrun" --check-build 2>/dev/null) || return 1
-  [ -z "$inputs" ] || printf '%s\n%s\n' "$inputs" "$report" >"$cache"
+  if [ -n "$inputs" ] && grep -q '^Horovod v' <<<"$report"; then
+    printf '%s\n%s\n' "$inputs" "$report" >"$cache.$$" && mv -f "$cache.$$" "$cache" \
+      || rm -f "$cache.$$"
+  fi
   printf '%s\n' "$report"
 }
 

@@ -288,7 +288,7 @@ from partial_fc_mx import dist
 from partial_fc_mx.bench.train import bench_config
 args = argparse.Namespace(embedding_size=EMBEDDING, sample_rate=0.1, steps=1,
                           warmup=0, output=OUTPUT, fp16_centers=False, fp16=False,
-                          cpu_precision="auto")
+                          cpu_precision="auto", gradient_accumulation=1)
 world = dist.init()
 before = psutil.Process().memory_info().rss
 assert "img_s" in bench_config(world, NETWORK, 8, CLASSES, HEAD, args)

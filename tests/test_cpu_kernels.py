@@ -16,6 +16,7 @@ import pytest
 from partial_fc_mx.backbones import graph_of
 from partial_fc_mx.config import Config
 from partial_fc_mx.pfc import kernels
+from partial_fc_mx.run.cpu_kernels import with_cpu_kernels
 from partial_fc_mx.run.precision import build_backbone, mixed_precision_graph, training_model
 
 
@@ -126,23 +127,53 @@ def kernel_layer_norm(x: np.ndarray, gamma: np.ndarray, beta: np.ndarray, dy: np
     return out.asnumpy(), *(array.grad.asnumpy() for array in arrays)
 
 
-@pytest.mark.parametrize("shape", [(4, 145, 256), (3, 7, 33), (130, 64), (1, 1, 5)])
-def test_the_layer_norm_kernel_matches_float64_as_mxnets_does(shape):
-    """Output and data's gradient within a few float32 roundings of float64 over each
-    row; gamma's and beta's gradients, sums over every row (blocks of 64, a last one
-    partial), within float32's rounding of float64's; no worse than MXNet's own by
-    more than twice."""
+@pytest.mark.parametrize("shape, spread, offset, eps", [
+    ((4, 145, 256), 3.0, 1.0, 1e-6), ((3, 7, 33), 3.0, 1.0, 1e-6), ((130, 64), 3.0, 1.0, 1e-5),
+    ((1, 1, 5), 3.0, 1.0, 1e-6),
+    ((6, 70, 48), 1e-3, 0.0, 1e-5),  # a variance of 1e-6 beside eps 1e-5: eps decides rstd
+])
+def test_the_layer_norm_kernel_matches_float64_as_mxnets_does(shape, spread, offset, eps):
+    """Output and data's gradient within float32's rounding of float64, row by row;
+    gamma's and beta's gradients, sums over every row (blocks of 64, a last one
+    partial), within float32's rounding of float64's sums; no worse than MXNet's own
+    by more than twice."""
     rng = np.random.default_rng(sum(shape))
-    x = (rng.standard_normal(shape) * 3 + 1).astype(np.float32)
+    x = (rng.standard_normal(shape) * spread + offset).astype(np.float32)
     gamma, beta = (rng.standard_normal(shape[-1]).astype(np.float32) for _ in range(2))
     dy = rng.standard_normal(shape).astype(np.float32)
-    expected = layer_norm_reference(x, gamma, beta, dy, 1e-6)
-    kernel = kernel_layer_norm(x, gamma, beta, dy, 1e-6)
-    mxnet = kernel_layer_norm(x, gamma, beta, dy, 1e-6, op="LayerNorm")
-    for mine, theirs, exact in zip(kernel, mxnet, expected):
+    expected = layer_norm_reference(x, gamma, beta, dy, eps)
+    kernel = kernel_layer_norm(x, gamma, beta, dy, eps)
+    mxnet = kernel_layer_norm(x, gamma, beta, dy, eps, op="LayerNorm")
+    rows = np.sqrt(len(x.reshape(-1, shape[-1])))
+    for name, mine, theirs, exact, tolerance in zip(
+            ("out", "data's gradient", "gamma's", "beta's"), kernel, mxnet, expected,
+            (1e-6, 1e-6, 2e-6 * rows, 2e-6 * rows)):
         scale = np.abs(exact).max()
-        assert np.abs(mine - exact).max() <= 2e-6 * scale * np.sqrt(len(x.reshape(-1, shape[-1])))
-        assert np.abs(mine - exact).max() <= 2 * np.abs(theirs - exact).max() + 1e-6 * scale
+        assert np.abs(mine - exact).max() <= tolerance * scale, name
+        assert np.abs(mine - exact).max() <= 2 * np.abs(theirs - exact).max() + 1e-6 * scale, name
+
+
+def test_the_rewrite_keeps_each_layer_norms_eps_and_leaves_those_it_cannot_compute():
+    """eps from the graph (0.1 here, or MXNet's default where the graph names none) on
+    rows whose variance is near it; a LayerNorm over another axis, or one whose mean
+    and std are outputs, stays MXNet's."""
+    data = mx.sym.var("data")
+    rng = np.random.default_rng(7)
+    x = mx.nd.array(rng.standard_normal((5, 16)) * 0.3)
+    gamma, beta = mx.nd.array(rng.standard_normal(16)), mx.nd.array(rng.standard_normal(16))
+    for eps in (0.1, None):
+        options = {} if eps is None else {"eps": eps}
+        graph = mx.sym.LayerNorm(data, mx.sym.var("g"), mx.sym.var("b"), **options)
+        rewritten = with_cpu_kernels(graph, threads=2)
+        assert ops(rewritten) == ["null", "null", "null", "pfc_layer_norm"]
+        args = {"data": x, "g": gamma, "b": beta}
+        expected = graph.eval(ctx=mx.cpu(), **args)[0].asnumpy()
+        assert np.abs(rewritten[0].eval(ctx=mx.cpu(), **args)[0].asnumpy() - expected).max() \
+            <= 1e-5 * np.abs(expected).max()
+    kept = [mx.sym.LayerNorm(data, mx.sym.var("g"), mx.sym.var("b"), axis=0),
+            mx.sym.LayerNorm(data, mx.sym.var("g"), mx.sym.var("b"), output_mean_var=True)]
+    for graph in kept:
+        assert "pfc_layer_norm" not in ops(with_cpu_kernels(graph, threads=1))
 
 
 def test_more_threads_give_the_layer_norms_same_bits_and_a_nan_stays_in_its_row():

@@ -60,9 +60,9 @@ def test_a_check_build_without_the_marks_is_a_failure(tmp_path):
 
 def test_check_builds_report_is_reused_until_what_decides_its_marks_changes(tmp_path):
     """run.sh's set-up runs `horovodrun --check-build` (6-11 s) only when a package, the
-    Horovod extension or a library it loads changed since the last report: a venv
-    whose Horovod extension is a copy of the real one and whose horovodrun counts its
-    calls."""
+    Horovod extension or a library it loads changed since the last report, and every
+    time when they cannot be read (an extension ldd cannot read): a venv whose Horovod
+    extension is a copy of the real one and whose horovodrun counts its calls."""
     venv, calls = tmp_path / "venv", tmp_path / "calls"
     subprocess.run(["python3", "-m", "venv", "--without-pip", str(venv)], check=True,
                    env={**os.environ, "PATH": SYSTEM_PATH}, timeout=120)
@@ -81,11 +81,15 @@ check() {{ horovod_has_everything && echo "$1: $(wc -l <{calls})"; }}
 check first; check again
 mkdir {site}/another_package; check installed; check again
 printf x >>{extension}; check rebuilt; check again
+echo text >{extension}; check unreadable; check again
 """
     result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("\n") == ["first: 1", "again: 1", "installed: 2", "again: 2",
-                                         "rebuilt: 3", "again: 3", ""], result.stdout
+                                         "rebuilt: 3", "again: 3", "unreadable: 4", "again: 5",
+                                         ""], result.stdout
+    assert [path.name for path in venv.glob(".partial_fc_mx-check-build*")] == [
+        f".partial_fc_mx-check-build.{os.uname().nodename}"]  # this host's, written whole
 
 
 # ----- MXNET_PACKAGE=preinstalled: an MXNet the system's python3 already has -----

@@ -75,13 +75,16 @@ def in_call_order(collectives: list) -> list:
     return order
 
 
-@pytest.mark.parametrize("accumulation", [1, 2])
-def test_the_plan_lists_the_collectives_a_real_step_calls(tmp_path, synthetic, accumulation):
+@pytest.mark.parametrize("accumulation, threshold", [(1, 0.0), (2, 0.4)])
+def test_the_plan_lists_the_collectives_a_real_step_calls(tmp_path, synthetic, accumulation,
+                                                          threshold):
     """plan's collectives against those two ranks call in a real training step, recorded
     by tests/collectives_worker.py around Horovod's own functions: a collective added to
     the step, dropped from it or changed in size fails here; with gradient accumulation,
-    the accumulated batch's labels once and each micro-batch's own."""
-    config = config_file(tmp_path, synthetic, max_steps=3, gradient_accumulation=accumulation)
+    the accumulated batch's labels once and each micro-batch's own; with the inter-class
+    filter, each row's counts beside its sums."""
+    config = config_file(tmp_path, synthetic, max_steps=3, gradient_accumulation=accumulation,
+                         interclass_filtering_threshold=threshold)
     recorded = tmp_path / "recorded"
     result = horovodrun_gloo(2, [sys.executable, "tests/collectives_worker.py", str(recorded),
                                  "train", str(config), "--work-dir", str(tmp_path / "work")],

@@ -167,7 +167,7 @@ def test_fp16_builds_a_static_16_bit_block_over_the_same_parameters():
 
 
 def test_float32_trains_the_network_itself_on_a_gpu_and_its_graph_with_kernels_on_the_cpu():
-    """On the CPU the graph has the PReLU kernel (tests/test_cpu_kernels.py), over the
+    """On the CPU the graph has the CPU kernels (tests/test_cpu_kernels.py), over the
     network's own Parameter objects."""
     net, model = build_backbone(Config(network="tiny", embedding_size=64, fp16=True), mx.cpu(),
                                 "float32")

@@ -1,7 +1,8 @@
-"""The backbones' PReLU on the CPU (run/cpu_kernels.py): a backbone's forward and backward
-on random images with MXNet's LeakyReLU (the network's own graph) and with the
-project's kernel (the graph the trainer trains on the CPU), in turn in one process,
-so that both see the same machine; their medians and ratio.
+"""The backbones' CPU kernels (run/cpu_kernels.py): a backbone's forward and backward
+on random images with MXNet's LeakyReLU and LayerNorm (the network's own graph) and
+with the project's kernels (the graph the trainer trains on the CPU: for an IResNet or
+MobileFaceNet its PReLU, for a ViT its LayerNorm), in turn in one process, so that
+both see the same machine; their medians and ratio.
 
     python -m partial_fc_mx.bench prelu --networks mbf r18 --batch-size 64
 """

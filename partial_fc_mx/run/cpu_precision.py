@@ -59,7 +59,7 @@ PROBE_RESULT = "PROBE "
 SOURCES = [Path(__file__), Path(__file__).with_name("precision.py"),
            Path(__file__).with_name("cpu_kernels.py"), *kernels.SOURCES, kernels.HEADER,
            *sorted((Path(__file__).parents[1] / "backbones").glob("*.py"))]
-"""The code a probe runs besides MXNet (the training graph, its PReLU kernel among it):
+"""The code a probe runs besides MXNet (the training graph, its CPU kernels among it):
 a change in it probes again."""
 SETTINGS = ("DNNL_", "ONEDNN_", "MKLDNN_", "MXNET_MKLDNN_", "MXNET_ONEDNN_")
 """Environment variables that change what oneDNN does (its ISA cap, MXNet's switch)."""

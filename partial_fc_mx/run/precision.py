@@ -102,17 +102,18 @@ def training_model(net: mx.gluon.HybridBlock, ctx: mx.Context,
                    dtype: str) -> mx.gluon.HybridBlock:
     """What computes the embeddings: `net` itself in float32 on a GPU; otherwise `net`'s
     graph in `dtype` (mixed_precision_graph) and, on the CPU, with the project's PReLU
-    kernel (cpu_kernels.py; float32 only, so not in float16, which only a GPU trains in;
-    it writes gradients, so not where a parameter accumulates them, grad_req "add"),
+    and LayerNorm kernels (cpu_kernels.py; float32 only, so not in float16, which only a
+    GPU trains in; they write gradients, so not where a parameter accumulates them,
+    grad_req "add"),
     as a block whose parameters are `net`'s own float32 Parameter objects: an update
     of either is an update of both. Built from the symbol alone: nothing is computed,
     so it can be built and checked on any device."""
-    prelu_kernel = (ctx.device_type == "cpu" and dtype != "float16"
-                    and all(p.grad_req != "add" for p in net.collect_params().values()))
-    if dtype == "float32" and not prelu_kernel:
+    cpu_kernels = (ctx.device_type == "cpu" and dtype != "float16"
+                   and all(p.grad_req != "add" for p in net.collect_params().values()))
+    if dtype == "float32" and not cpu_kernels:
         return net
     graph = graph_of(net) if dtype == "float32" else mixed_precision_graph(graph_of(net), dtype)
-    if prelu_kernel:  # after AMP: its float32 casts for LeakyReLU serve the kernel
+    if cpu_kernels:  # after AMP: its float32 casts for LeakyReLU and LayerNorm serve them
         graph = with_cpu_kernels(graph, rank_threads())
     block = mx.gluon.SymbolBlock(graph, [mx.sym.var("data", dtype="float32")],
                                  params=net.collect_params())

@@ -65,7 +65,9 @@ class BackboneMemory:
     accumulation: int = 0
     """With gradient_accumulation k > 1: the earlier micro-batches' gradients, summed in
     one more copy of them, and the images of the k - 1 micro-batches beside the one
-    computing (the loader's batch holds all k)."""
+    computing (the loader's batch holds all k). Not counted, at any k: the loader's
+    host copy of a batch and, on a GPU, the next batch copied ahead (0.15 MB an image
+    each)."""
 
     @property
     def total(self) -> int:

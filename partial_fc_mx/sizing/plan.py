@@ -182,13 +182,15 @@ def collectives(config: Config, world_size: int, gradient_bytes: int) -> list[Co
     N = the global batch of one micro-batch. tests/test_plan.py holds this list to the
     collectives a real step records."""
     n, d, k = config.batch_size * world_size, config.embedding_size, config.gradient_accumulation
+    sums = 4 if config.interclass_filtering_threshold > 0 else 2  # + each row's filtered, scored
     accumulated = [Collective("accumulated batch's labels", "allgather", f"{k * n} x 5 float64",
                               8 * 5 * k * n)] if k > 1 else []
     return accumulated + [
         Collective("labels and checks", "allgather", f"{n} x 5 float64", 8 * 5 * n, k),
         Collective("embeddings", "allgather", f"{n} x {d} float32", 4 * n * d, k),
         Collective("row max of the logits", "allreduce", f"{n} float32", 4 * n, k),
-        Collective("exp-sums and target logits", "allreduce", f"{n} x 2 float32", 4 * 2 * n, k),
+        Collective("exp-sums and target logits", "allreduce", f"{n} x {sums} float32",
+                   4 * sums * n, k),
         Collective("embeddings' gradient", "allreduce", f"{n} x {d} float32", 4 * n * d, k),
         Collective("backbone gradients", "allreduce",
                    f"{gradient_bytes // 4:,} float32", gradient_bytes),

@@ -78,8 +78,8 @@ MXReturnValue layer_norm_arity(const Attributes& attributes, int* inputs, int* o
   return arity(attributes, "layer_norm", {"eps"}, 3, 3, inputs, outputs);
 }
 
-// gamma's and beta's shapes are inferred where the graph leaves them open, as
-// LayerNorm's are.
+// gamma's and beta's shapes are inferred where the graph leaves them open (unknown, or
+// a length of 0: not yet known), as LayerNorm's are.
 MXReturnValue layer_norm_shapes(const Attributes&, Shapes* in, Shapes* out) {
   const auto& data = (*in)[0];
   if (data.empty()) {
@@ -88,7 +88,7 @@ MXReturnValue layer_norm_shapes(const Attributes&, Shapes* in, Shapes* out) {
   }
   for (int parameter : {1, 2}) {
     auto& shape = (*in)[parameter];
-    if (shape.empty()) shape = {data.back()};
+    if (shape.empty() || (shape.size() == 1 && shape[0] == 0)) shape = {data.back()};
     if (shape.size() != 1 || shape[0] != data.back()) {
       MX_ERROR_MSG << "layer_norm needs gamma and beta of the data's last axis, "
                    << data.back();
