@@ -87,6 +87,13 @@ class Config:
     """What fp16=True means on a CPU host: "auto", bfloat16 where the CPU computes it
     natively (AVX512_BF16 or AMX) and oneDNN runs the network in it, float32 elsewhere;
     "bfloat16" or "float32" forces either (cpu_precision.py; docs/training.md)."""
+    recompute_activations: bool = False
+    """Keep only each backbone segment's input (a ViT's blocks, an IResNet's residual
+    units) between the forward and the backward, and recompute the segments one at a
+    time in the backward: less activation memory for about one more forward's time,
+    the same gradients (run/recompute.py; arcface_torch's `using_checkpoint`). Its
+    random draws (drop path, masks, dropout) are per segment: a run draws other masks
+    with it than without."""
 
     # --- Partial FC ---
     sample_rate: float = 1.0

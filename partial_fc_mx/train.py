@@ -48,6 +48,7 @@ from .run.data_source import identity_of, make_loader, open_dataset
 from .run.heartbeat import Heartbeat
 from .run.interrupts import StopRequest, Watchdog
 from .run.precision import LossScaler, build_backbone, clip_global_norm
+from .run.recompute import Recomputed, forward_for_backward
 from .run.restarts import JOB_VARIABLE
 from .run.schedule import Schedule
 from .run.training_log import TrainingLog
@@ -72,9 +73,10 @@ class Run:
     loader: FaceLoader | RandomLoader
     net: mx.gluon.HybridBlock
     """The backbone's parameters, float32, saved and exported by its structure."""
-    model: mx.gluon.HybridBlock
+    model: mx.gluon.HybridBlock | Recomputed
     """What computes the embeddings: `net`, or with fp16 its 16-bit graph sharing
-    `net`'s parameters (precision.py)."""
+    `net`'s parameters (precision.py); with recompute_activations, that graph and its
+    segments (recompute.py)."""
     pfc: PartialFC
     trainer: mx.gluon.Trainer
     validator: Validator
@@ -260,6 +262,8 @@ def build(config: Config, world: dist.World, ctx: mx.Context, dtype: str,
     validator = Validator([load_bin(p) for p in config.val_paths()] if world.is_main else [],
                           work_dir)
     net, model = build_backbone(config, ctx, dtype)
+    if config.recompute_activations:
+        model = Recomputed(model, net, ctx, dtype)
     return (work_dir, dataset, loader, validator, (net, model),
             build_classifier(config, world, ctx, fresh_centers), make_trainer(config, net))
 
@@ -359,14 +363,13 @@ def train_step(run: Run, batch: Batch, lr: float, timer=None) -> float:
     loss, sums = 0.0, None
     for position, part in enumerate(parts):
         with timer.phase("backbone forward"):
-            with mx.autograd.record():
-                embeddings = run.model(part.images)
+            embeddings, backward = forward_for_backward(run.model, part.images)
         with timer.phase("classifier"):
             part_loss, grad = run.pfc.forward_backward(
                 embeddings, part.labels, grad_scale=scaler.scale if scaler.dynamic else 1.0)
             loss = loss + part_loss  # each part's share of the whole batch's mean
         with timer.phase("backbone backward"):
-            embeddings.backward(grad)
+            backward(grad)
             if position < len(parts) - 1:
                 sums = summed_gradients(run.net, ctx, sums)
     if sums is not None:  # the earlier micro-batches' join the last's, where the allreduce reads

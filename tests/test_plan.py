@@ -27,6 +27,7 @@ def config(**changes) -> Config:
     # a CPU host's precision depends on its CPU: planned in float32, the larger
     ({"fp16": True, "optimizer": "adamw"}, "cpu", "float32"),
     ({"fp16": True, "cpu_precision": "bfloat16"}, "cpu", "bfloat16"),  # forced
+    ({"recompute_activations": True, "network": "vit_t"}, "cpu", "float32"),
 ])
 def test_the_plan_counts_the_memory_the_preflight_estimates(changes, device, dtype):
     run_config = config(**changes)
@@ -39,6 +40,8 @@ def test_the_plan_counts_the_memory_the_preflight_estimates(changes, device, dty
     row_bytes = 2 if changes.get("fp16_centers") else 4
     assert plan.parts()["class centers"] == 666_667 * 128 * row_bytes
     assert plan.available == (80 * GiB if device == "gpu" else 24 * GiB // 3)
+    recomputed = "backbone activations, recomputed" in plan.parts()
+    assert recomputed == bool(changes.get("recompute_activations"))
 
 
 def test_the_fewest_gpus_fit_and_one_fewer_does_not():

@@ -9,6 +9,7 @@ from __future__ import annotations
 from mxnet.gluon import HybridBlock, nn
 
 from .dropout import Dropout
+from .segments import Segment, chain, sequence
 
 BN_EPS = 1e-5
 
@@ -68,6 +69,11 @@ class IResNet(HybridBlock):
 
     def hybrid_forward(self, F, x):
         return self.head(self.features(x))
+
+    def segments(self) -> list[Segment]:
+        """The stem (convolution, BatchNorm, PReLU), each residual unit, the head."""
+        layers = [self.features[i] for i in range(len(self.features))]
+        return chain([sequence(*layers[:3]), *layers[3:], self.head])
 
 
 DEPTHS = {

@@ -6,10 +6,12 @@ is arcface_torch's `get_model("mbf")` ("mbf")."""
 
 from __future__ import annotations
 
+import mxnet as mx
 from mxnet.gluon import HybridBlock, nn
 
 from .dropout import Dropout
 from .iresnet import BN_EPS, prelu
+from .segments import Segment, chain
 
 
 def conv_bn(channels: int, kernel: int, stride: int = 1, groups: int = 1,
@@ -70,9 +72,16 @@ class MobileFaceNet(HybridBlock):
                       nn.BatchNorm(epsilon=BN_EPS))
 
     def hybrid_forward(self, F, x):
+        return self.embedding(F, self.features(x))
+
+    def embedding(self, F, features):
         flatten, dropout, dense, batch_norm = self.head
-        embedding = dense(dropout(flatten(self.features(x))))
-        return column_batch_norm(F, batch_norm, embedding)
+        return column_batch_norm(F, batch_norm, dense(dropout(flatten(features))))
+
+    def segments(self) -> list[Segment]:
+        """Each layer of the trunk, then the head."""
+        layers = [self.features[i] for i in range(len(self.features))]
+        return chain([*layers, lambda x: self.embedding(mx.sym, x)])
 
 
 def column_batch_norm(F, batch_norm: nn.BatchNorm, matrix):

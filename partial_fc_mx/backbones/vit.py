@@ -41,6 +41,7 @@ from mxnet.gluon import HybridBlock, nn
 
 from .float32 import kept_in_float32
 from .mobilefacenet import column_batch_norm
+from .segments import DATA, EMBEDDINGS, Segment
 
 PATCH = 9
 IMAGE = 112
@@ -197,16 +198,27 @@ class VisionTransformer(HybridBlock):
         """`training_ops` False leaves masking and drop path out of the graph: only
         when called on a symbol (graph_of); a hybridized call with arrays takes arrays
         only, and gets the training graph, whose operators follow the mode."""
-        with kept_in_float32():  # the anchor's patch convolution and head: float32.py
-            patches = self.patch_embed(x)
-        tokens = F.transpose(F.reshape(patches, (0, 0, -1)), (0, 2, 1))
-        tokens = F.broadcast_add(tokens, pos_embed)
-        hidden = key_bias = None
-        if training_ops and self.size.masks:
-            hidden = self.masked_tokens(F, tokens)
-            key_bias = F.reshape(hidden * HIDDEN_SCORE, (0, 1, 1, -1))  # N x 1 x 1 x L
+        tokens, hidden, key_bias = self.embed(F, x, pos_embed, training_ops and self.size.masks)
         for block in self.blocks:
             tokens = block(tokens, key_bias, training_ops)
+        return self.head(F, tokens, hidden, mask_token, training_ops)
+
+    def embed(self, F, x, pos_embed, masks: bool) -> tuple:
+        """(tokens, hidden, key_bias): the patches' tokens with their positions and, with
+        `masks`, which tokens training hides (masked_tokens) and their keys' bias in the
+        attention (N x 1 x 1 x L); else None for both."""
+        with kept_in_float32():  # the anchor's patch convolution and head: float32.py
+            patches = self.patch_embed(x)
+        tokens = F.broadcast_add(F.transpose(F.reshape(patches, (0, 0, -1)), (0, 2, 1)),
+                                 pos_embed)
+        if not masks:
+            return tokens, None, None
+        hidden = self.masked_tokens(F, tokens)
+        return tokens, hidden, F.reshape(hidden * HIDDEN_SCORE, (0, 1, 1, -1))
+
+    def head(self, F, tokens, hidden, mask_token, training_ops: bool):
+        """The final LayerNorm, the mask token in the hidden tokens' place (training),
+        and the feature head."""
         tokens = self.norm(tokens)
         if training_ops:  # a network that never masks hides nothing, but its training
             # graph keeps the mask token (a parameter of the anchor's too): Gluon's
@@ -219,3 +231,19 @@ class VisionTransformer(HybridBlock):
             features = column_batch_norm(F, first_bn, first(F.reshape(tokens, (0, -1))))
             return column_batch_norm(F, second_bn, second(features))
 
+    def segments(self) -> list[Segment]:
+        """The training graph as the stem (patches, positions, the mask), each block,
+        and the head; the mask and its attention bias are constants."""
+        pos_embed, mask_token = self.pos_embed.var(), self.mask_token.var()
+        streams = ("hidden", "key_bias") if self.size.masks else ()
+
+        def stem(x):
+            tokens, hidden, key_bias = self.embed(mx.sym, x, pos_embed, bool(streams))
+            return (tokens, hidden, key_bias) if streams else tokens
+
+        def tail(tokens, hidden=None):
+            return self.head(mx.sym, tokens, hidden, mask_token, True)
+
+        return [Segment((DATA,), ("tokens", *streams), stem, constants=streams),
+                *(Segment(("tokens", *streams[1:]), ("tokens",), block) for block in self.blocks),
+                Segment(("tokens", *streams[:1]), (EMBEDDINGS,), tail)]

@@ -20,6 +20,7 @@ before train.start to the peak of its steps.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import tempfile
 import time
@@ -55,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="config cpu_precision: what --fp16 means on a CPU")
     parser.add_argument("--gradient-accumulation", type=int, default=1, metavar="K",
                         help="micro-batches of --batch-size per step (pfc head only)")
+    parser.add_argument("--recompute", nargs="+", choices=["off", "on"], default=["off"],
+                        help="config recompute_activations; 'off on' measures both "
+                             "(pfc head only) and prints their ratios")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--output", default=str(Path(tempfile.gettempdir()) /
@@ -128,24 +132,25 @@ def run(args: argparse.Namespace) -> None:
     if world.is_main:
         print_header(args, world)
     results = []
-    for network in args.networks:
-        for batch in args.batch_size:
-            for num_classes in args.classes:
-                for head in args.heads:
-                    results.append(bench_config(world, network, batch, num_classes, head, args))
-                    if world.is_main:
-                        print_result(results[-1])
+    for network, batch, num_classes, head, recompute in itertools.product(
+            args.networks, args.batch_size, args.classes, args.heads, args.recompute):
+        if head == "fc" and recompute == "on":
+            continue
+        results.append(bench_config(world, network, batch, num_classes, head, args,
+                                    recompute == "on"))
+        if world.is_main:
+            print_result(results[-1])
     if world.is_main:
         print_ratios(results)
 
 
 def bench_config(world: dist.World, network: str, batch: int, num_classes: int, head: str,
-                 args) -> dict:
+                 args, recompute: bool = False) -> dict:
     """img/s (median over steps without the phase timer), the phase split and the memory
     of one configuration, its memory given back before the next one allocates."""
     try:
         with PeakRSS() as memory:
-            result = measure_config(world, network, batch, num_classes, head, args)
+            result = measure_config(world, network, batch, num_classes, head, args, recompute)
         if estimated := result.pop("estimate_of", None):  # outside the window: the
             # estimate's planner binds an executor (memory.planned_bytes)
             config, dtype, device = estimated
@@ -158,8 +163,9 @@ def bench_config(world: dist.World, network: str, batch: int, num_classes: int, 
 
 
 def measure_config(world: dist.World, network: str, batch: int, num_classes: int, head: str,
-                   args) -> dict:
-    result = {"network": network, "batch": batch, "classes": num_classes, "head": head}
+                   args, recompute: bool = False) -> dict:
+    result = {"network": network, "batch": batch, "classes": num_classes, "head": head,
+              "recompute": recompute}
     ctx = dist.training_device(world)
     if head == "fc" and args.gradient_accumulation > 1:
         return {**result, "skipped": "gradient accumulation is Partial FC's (PartialFC.accumulate)"}
@@ -171,6 +177,7 @@ def measure_config(world: dist.World, network: str, batch: int, num_classes: int
                     sample_rate=args.sample_rate, fp16_centers=args.fp16_centers,
                     fp16=args.fp16, cpu_precision=args.cpu_precision,
                     gradient_accumulation=args.gradient_accumulation,
+                    recompute_activations=recompute,
                     output=str(Path(args.output) / f"{network}-{batch}-{num_classes}-{head}"),
                     frequent=10**6)
     config.validate()
@@ -216,7 +223,8 @@ def print_header(args, world: dist.World) -> None:
 
 
 def print_result(r: dict) -> None:
-    name = f"{r['network']:>5}  B={r['batch']:>4}  C={r['classes']:>9,}  {r['head']:>3}"
+    name = (f"{r['network']:>5}  B={r['batch']:>4}  C={r['classes']:>9,}  {r['head']:>3}"
+            f"{'  recomputed' if r['recompute'] else ''}")
     if "skipped" in r:
         print(f"{name}  cannot run: {r['skipped']}", flush=True)
         return
@@ -230,9 +238,17 @@ def print_result(r: dict) -> None:
 
 
 def print_ratios(results: list) -> None:
-    by_config = {(r["network"], r["batch"], r["classes"], r["head"]): r for r in results}
-    for (network, batch, classes, head), r in by_config.items():
-        other = by_config.get((network, batch, classes, "fc"))
-        if head == "pfc" and other and "img_s" in other and "img_s" in r:
-            print(f"{network:>5}  B={batch:>4}  C={classes:>9,}  Partial FC / data-parallel FC "
-                  f"img/s: {r['img_s'] / other['img_s']:.2f}")
+    by_config = {(r["network"], r["batch"], r["classes"], r["head"], r["recompute"]): r
+                 for r in results}
+    for (network, batch, classes, head, recompute), r in by_config.items():
+        name = f"{network:>5}  B={batch:>4}  C={classes:>9,}"
+        other = by_config.get((network, batch, classes, "fc", False))
+        if head == "pfc" and not recompute and other and "img_s" in other and "img_s" in r:
+            print(f"{name}  Partial FC / data-parallel FC img/s: "
+                  f"{r['img_s'] / other['img_s']:.2f}")
+        plain = by_config.get((network, batch, classes, head, False))
+        if recompute and plain and "img_s" in plain and "img_s" in r:
+            memory = (f", RSS growth {r['rss_growth'] / plain['rss_growth']:.2f}, estimate "
+                      f"{r['estimate'] / plain['estimate']:.2f}" if "rss_growth" in r else "")
+            print(f"{name}  recomputed / not: step {r['step_ms'] / plain['step_ms']:.2f}"
+                  f"{memory}")

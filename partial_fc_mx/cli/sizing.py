@@ -49,6 +49,8 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     plan.add_argument("--optimizer", help="the backbone's: sgd or adamw")
     plan.add_argument("--gradient-accumulation", type=int,
                       help="micro-batches of --batch-size per optimizer step")
+    plan.add_argument("--recompute-activations", action=argparse.BooleanOptionalAction,
+                      help="keep only each backbone segment's input; recompute in the backward")
     plan.add_argument("--gpus", "--processes", type=int, dest="world_size",
                       help="how many (default: the fewest the run fits on)")
     room = plan.add_mutually_exclusive_group(required=True)
@@ -82,7 +84,7 @@ def model_command(args: argparse.Namespace) -> int:
 
 PLAN_KEYS = ("num_classes", "embedding_size", "sample_rate", "batch_size", "network", "fp16",
              "fp16_centers", "center_optimizer", "optimizer", "num_subcenters",
-             "gradient_accumulation")
+             "gradient_accumulation", "recompute_activations")
 
 
 def plan_command(args: argparse.Namespace) -> int:

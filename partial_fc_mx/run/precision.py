@@ -101,28 +101,47 @@ def build_backbone(config: Config, ctx: mx.Context, dtype: str = "float32") -> t
 def training_model(net: mx.gluon.HybridBlock, ctx: mx.Context,
                    dtype: str) -> mx.gluon.HybridBlock:
     """What computes the embeddings: `net` itself in float32 on a GPU; otherwise `net`'s
-    graph in `dtype` (mixed_precision_graph) and, on the CPU, with the project's PReLU
-    and LayerNorm kernels (cpu_kernels.py; float32 only, so not in float16, which only a
-    GPU trains in; they write gradients, so not where a parameter accumulates them,
-    grad_req "add"),
-    as a block whose parameters are `net`'s own float32 Parameter objects: an update
-    of either is an update of both. Built from the symbol alone: nothing is computed,
-    so it can be built and checked on any device."""
-    cpu_kernels = (ctx.device_type == "cpu" and dtype != "float16"
-                   and all(p.grad_req != "add" for p in net.collect_params().values()))
+    graph as training_graph makes it, as a block whose parameters are `net`'s own
+    float32 Parameter objects: an update of either is an update of both. Built from
+    the symbol alone: nothing is computed, so it can be built and checked on any
+    device."""
+    cpu_kernels = uses_cpu_kernels(net, ctx, dtype)
     if dtype == "float32" and not cpu_kernels:
         return net
-    graph = graph_of(net) if dtype == "float32" else mixed_precision_graph(graph_of(net), dtype)
+    return graph_block(training_graph(graph_of(net), dtype, cpu_kernels), ("data",), net)
+
+
+def uses_cpu_kernels(net: mx.gluon.HybridBlock, ctx: mx.Context, dtype: str) -> bool:
+    """Whether `net` trains with the project's PReLU and LayerNorm kernels
+    (cpu_kernels.py): on the CPU, in float32 or bfloat16 (float16 is a GPU's), and not
+    where a parameter accumulates its gradient (grad_req "add": they write it)."""
+    return (ctx.device_type == "cpu" and dtype != "float16"
+            and all(p.grad_req != "add" for p in net.collect_params().values()))
+
+
+def training_graph(graph: mx.sym.Symbol, dtype: str, cpu_kernels: bool,
+                   inputs: tuple[str, ...] = ("data",)) -> mx.sym.Symbol:
+    """`graph` (over float32 `inputs`) as it trains: in `dtype` (mixed_precision_graph)
+    and with the CPU's kernels where `cpu_kernels`."""
+    if dtype != "float32":
+        graph = mixed_precision_graph(graph, dtype, inputs)
     if cpu_kernels:  # after AMP: its float32 casts for LeakyReLU and LayerNorm serve them
         graph = with_cpu_kernels(graph, rank_threads())
-    block = mx.gluon.SymbolBlock(graph, [mx.sym.var("data", dtype="float32")],
+    return graph
+
+
+def graph_block(graph: mx.sym.Symbol, inputs: tuple[str, ...], net: mx.gluon.HybridBlock,
+                static_alloc: bool = True) -> mx.gluon.SymbolBlock:
+    """`graph` as a hybridized block over `net`'s Parameter objects."""
+    block = mx.gluon.SymbolBlock(graph, [mx.sym.var(name, dtype="float32") for name in inputs],
                                  params=net.collect_params())
-    block.hybridize(static_alloc=True, static_shape=True)
+    block.hybridize(static_alloc=static_alloc, static_shape=static_alloc)
     return block
 
 
-def mixed_precision_graph(graph: mx.sym.Symbol, dtype: str) -> mx.sym.Symbol:
-    """`graph` (input "data") with AMP's casts: convolutions and dense layers (and, in
+def mixed_precision_graph(graph: mx.sym.Symbol, dtype: str,
+                          inputs: tuple[str, ...] = ("data",)) -> mx.sym.Symbol:
+    """`graph` (over float32 `inputs`) with AMP's casts: convolutions and dense layers (and, in
     float16, PReLU) compute in `dtype`, except those the backbone keeps in float32
     (backbones/float32.py); every parameter stays a float32 input."""
     from mxnet.contrib import amp
@@ -139,17 +158,18 @@ def mixed_precision_graph(graph: mx.sym.Symbol, dtype: str) -> mx.sym.Symbol:
     fp32 = [*ops.FP32_FUNCS]
     (target if dtype == "float16" else fp32).append("LeakyReLU")
     converted = amp.convert_symbol(graph, dtype, target_dtype_ops=target, fp32_ops=fp32,
-                                   conditional_fp32_ops=conditional, data_names=["data"],
+                                   conditional_fp32_ops=conditional, data_names=list(inputs),
                                    excluded_sym_names=float32_operators(graph))
-    if problem := low_precision_parameters(converted):
+    if problem := low_precision_parameters(converted, inputs):
         raise PrecisionError(problem)
     return converted
 
 
-def low_precision_parameters(graph: mx.sym.Symbol) -> str | None:
-    """Why `graph` cannot share float32 parameters (some input other than the data
-    would be typed 16-bit), or None."""
-    arg_types, _, aux_types = graph.infer_type(data="float32")
+def low_precision_parameters(graph: mx.sym.Symbol,
+                             inputs: tuple[str, ...] = ("data",)) -> str | None:
+    """Why `graph` cannot share float32 parameters (some argument other than its
+    float32 `inputs` would be typed 16-bit), or None."""
+    arg_types, _, aux_types = graph.infer_type(**dict.fromkeys(inputs, "float32"))
     names = graph.list_arguments() + graph.list_auxiliary_states()
     wrong = [name for name, kind in zip(names, arg_types + aux_types)
              if kind is not None and np.dtype(kind) != np.float32]

@@ -32,6 +32,7 @@ import mxnet as mx
 import numpy as np
 
 from ..backbones import get_model, graph_of
+from ..backbones.segments import DATA
 from ..config import Config
 from ..data.transforms import FACE_SIZE
 from ..run.precision import mixed_precision_graph
@@ -126,23 +127,52 @@ def backbone_memory(config: Config, dtype: str, device: str = "cpu") -> Backbone
     states = optimizer_states(config)
     others = config.gradient_accumulation - 1
     accumulation = (others > 0) * 4 * trainable + others * config.batch_size * IMAGE_BYTES
+    activations = (recomputed_activation_bytes(net, dtype, data, device)
+                   if config.recompute_activations
+                   else activation_bytes(graph, {DATA: data}, device))
     return BackboneMemory(4 * (sum(sizes.values()) + statistics), 4 * trainable,
-                          4 * states * trainable, activation_bytes(graph, data, device),
-                          accumulation)
+                          4 * states * trainable, activations, accumulation)
 
 
-def activation_bytes(graph: mx.sym.Symbol, data: tuple, device: str) -> int:
-    """What a forward and backward of `graph` on an input of shape `data` holds beside
-    the weights: the planner's buffers at the batch (linear through PLANNED_BATCHES)
-    and, on a CPU, oneDNN's copies."""
-    small, large = (planned_bytes(graph, (batch, *data[1:])) for batch in PLANNED_BATCHES)
+def recomputed_activation_bytes(net, dtype: str, data: tuple, device: str) -> int:
+    """With recompute_activations (run/recompute.py): every segment's inputs, kept from
+    the forward to the backward, and the largest forward and backward of one segment.
+    A segment's block allocates per call, and its recording keeps every operator's
+    output until its backward: the planner's figure, which shares buffers across the
+    whole forward and backward, is only a floor (a vit_t block: 112 MiB planned at
+    batch 32, 270 MiB of outputs; docs/benchmarks.md has both against RSS)."""
+    shapes, kept, largest = {DATA: data}, 0, 0
+    for segment in net.segments():
+        graph = segment.graph()
+        if dtype != "float32":
+            graph = mixed_precision_graph(graph, dtype, segment.inputs)
+        inputs = {name: shapes[name] for name in segment.inputs}
+        kept += sum(4 * int(np.prod(shape)) for name, shape in inputs.items() if name != DATA)
+        largest = max(largest, activation_bytes(graph, inputs, device),
+                      operator_output_bytes(graph, inputs))
+        _, outputs, _ = graph.infer_shape(**inputs)
+        shapes.update(zip(segment.outputs, outputs))
+    return kept + largest
+
+
+def activation_bytes(graph: mx.sym.Symbol, inputs: dict[str, tuple], device: str) -> int:
+    """What a forward and backward of `graph` on inputs of the shapes `inputs` (each
+    batch first) holds beside the weights: the planner's buffers at the batch (linear
+    through PLANNED_BATCHES) and, on a CPU, oneDNN's copies."""
+    batch = next(iter(inputs.values()))[0]
+    small, large = (planned_bytes(graph, at_batch(inputs, size)) for size in PLANNED_BATCHES)
     per_image = (large - small) / (PLANNED_BATCHES[1] - PLANNED_BATCHES[0])
     fixed = max(small - per_image * PLANNED_BATCHES[0], 0)
-    copies = output_bytes(graph, data, ONEDNN_COPIES) if device == "cpu" else 0
-    return int(fixed + per_image * data[0]) + copies
+    copies = output_bytes(graph, inputs, ONEDNN_COPIES) if device == "cpu" else 0
+    return int(fixed + per_image * batch) + copies
 
 
-def planned_bytes(graph: mx.sym.Symbol, data: tuple) -> int:
+def at_batch(inputs: dict[str, tuple], batch: int) -> dict[str, tuple]:
+    """`inputs`' shapes with `batch` as their first dimension."""
+    return {name: (batch, *shape[1:]) for name, shape in inputs.items()}
+
+
+def planned_bytes(graph: mx.sym.Symbol, inputs: dict[str, tuple]) -> int:
     """The bytes MXNet's memory planner gives a forward and backward of `graph`: an
     executor bound on the CPU, never run, reports them ("Total N MB allocated"). Its
     weights and buffers are reserved, not written: 0.2-0.5 s and under 130 MiB resident
@@ -150,7 +180,7 @@ def planned_bytes(graph: mx.sym.Symbol, data: tuple) -> int:
     verbose = os.environ.get("MXNET_SUBGRAPH_VERBOSE")
     os.environ["MXNET_SUBGRAPH_VERBOSE"] = "0"  # no "Subgraph backend ..." line per bind
     try:
-        executor = graph.simple_bind(mx.cpu(), data=data, grad_req="write")
+        executor = graph.simple_bind(mx.cpu(), grad_req="write", **inputs)
         report = executor.debug_str()
         del executor
     finally:
@@ -161,15 +191,26 @@ def planned_bytes(graph: mx.sym.Symbol, data: tuple) -> int:
     return sum(int(mb) for mb in re.findall(r"Total (\d+) MB allocated", report)) * 2**20
 
 
-def output_bytes(graph: mx.sym.Symbol, data: tuple, operators: set[str]) -> int:
-    """Bytes of the outputs of `graph`'s `operators` for an input of shape `data`."""
+def output_bytes(graph: mx.sym.Symbol, inputs: dict[str, tuple], operators: set[str]) -> int:
+    """Bytes of the outputs of `graph`'s `operators` for inputs of the shapes `inputs`."""
     internals = graph.get_internals()
-    _, shapes, _ = internals.infer_shape(data=data)
-    _, types, _ = internals.infer_type(data="float32")
+    _, shapes, _ = internals.infer_shape(**inputs)
+    _, types, _ = internals.infer_type(**dict.fromkeys(inputs, "float32"))
     size = {name: int(np.prod(shape)) * np.dtype(kind).itemsize
             for name, shape, kind in zip(internals.list_outputs(), shapes, types)}
     return sum(size[f"{node['name']}_output"] for node in json.loads(graph.tojson())["nodes"]
                if node["op"] in operators)
+
+
+def operator_output_bytes(graph: mx.sym.Symbol, inputs: dict[str, tuple]) -> int:
+    """Bytes of every output of every operator of `graph` (its variables' aside)."""
+    internals = graph.get_internals()
+    _, shapes, _ = internals.infer_shape(**inputs)
+    _, types, _ = internals.infer_type(**dict.fromkeys(inputs, "float32"))
+    variables = set(graph.list_inputs())
+    return sum(int(np.prod(shape)) * np.dtype(kind).itemsize
+               for name, shape, kind in zip(internals.list_outputs(), shapes, types)
+               if name not in variables)
 
 
 def optimizer_states(config: Config) -> int:

@@ -97,7 +97,8 @@ class Plan:
             "backbone weights": backbone.weights,
             "backbone gradients": backbone.gradients,
             "backbone optimizer states": backbone.optimizer,
-            "backbone activations": backbone.activations,
+            ("backbone activations, recomputed" if self.config.recompute_activations
+             else "backbone activations"): backbone.activations,
             **({"backbone accumulation": backbone.accumulation} if backbone.accumulation
                else {}),
             "class centers": pfc.weights,
@@ -234,7 +235,7 @@ def format_plan(plan: Plan) -> str:
         f"{subcenters}; it scores {plan.sampled:,} rows per step), the preflight's estimate "
         "(memory.py):",
     ]
-    lines += [f"  {name:<28}{size_text(bytes_)}" for name, bytes_ in plan.parts().items()]
+    lines += [f"  {name:<34}{size_text(bytes_)}" for name, bytes_ in plan.parts().items()]
     total = plan.memory.total
     verdict = "fits in memory" if total <= plan.available else "does NOT fit in memory"
     if CLOSE * plan.available < total <= plan.available:
@@ -266,7 +267,8 @@ def format_plan(plan: Plan) -> str:
     if plan.smallest is None:
         fewest = (f"it fits on no number of {unit} up to "
                   f"{min(config.num_classes, MAX_WORLD_SIZE):,}: lower batch_size (the "
-                  "activations) or sample_rate, or use fp16 / fp16_centers=True")
+                  "activations; or recompute_activations=True) or sample_rate, or use fp16 / "
+                  "fp16_centers=True")
     else:
         fewest = f"the fewest {unit} it fits on: {plan.smallest}"
     lines.append(f"on {size} {unit}: {verdict}; {fewest}")
