@@ -91,9 +91,11 @@ class Config:
     """Keep only each backbone segment's input (a ViT's blocks, an IResNet's residual
     units) between the forward and the backward, and recompute the segments one at a
     time in the backward: less activation memory for about one more forward's time,
-    the same gradients (run/recompute.py; arcface_torch's `using_checkpoint`). Its
-    random draws (drop path, masks, dropout) are per segment: a run draws other masks
-    with it than without."""
+    the same gradients in float32 (run/recompute.py; arcface_torch's
+    `using_checkpoint`). With fp16 the values between segments are float32 (an
+    IResNet's whole 16-bit graph keeps its units' outputs in 16 bits). Its random
+    draws (drop path, masks, dropout) are per segment: a run draws other masks with
+    it than without."""
 
     # --- Partial FC ---
     sample_rate: float = 1.0

@@ -290,8 +290,9 @@ def describe(config: Config, world: dist.World, ctx: mx.Context,
     k = config.gradient_accumulation
     accumulated = (f" (each {k} micro-batches of {config.batch_size} per process, "
                    f"accumulated)" if k > 1 else "")
+    recomputed = ", its activations recomputed" if config.recompute_activations else ""
     return (f"training {config.network} on {config.rec}: {config.num_classes} classes, "
-            f"{world.size} processes on {ctx}, backbone in {precision.dtype}{why}, "
+            f"{world.size} processes on {ctx}, backbone in {precision.dtype}{why}{recomputed}, "
             f"global batch {loader.global_batch}{accumulated}, {len(loader)} steps "
             f"per epoch, {total} steps{resumed}")
 

@@ -11,12 +11,18 @@ import pytest
 from conftest import config_file, logged, mpirun, train_args
 
 from partial_fc_mx.backbones import get_model
-from partial_fc_mx.backbones.segments import DATA, EMBEDDINGS, recompute_problem
+from partial_fc_mx.backbones.segments import DATA, EMBEDDINGS, Segment, recompute_problem
 from partial_fc_mx.backbones.vit import VisionTransformer, ViTSize
 from partial_fc_mx.config import Config
 from partial_fc_mx.data.transforms import FACE_SIZE
-from partial_fc_mx.run.precision import training_model
-from partial_fc_mx.run.recompute import SEED_RANGE, Recomputed, RecomputeError, outputs_of
+from partial_fc_mx.run.precision import mixed_precision_graph, training_model
+from partial_fc_mx.run.recompute import (
+    SEED_RANGE,
+    Piece,
+    Recomputed,
+    RecomputeError,
+    outputs_of,
+)
 from partial_fc_mx.sizing.memory import backbone_memory
 
 CTX = mx.cpu()
@@ -99,9 +105,9 @@ def test_a_recomputation_finds_the_statistics_its_first_forward_found():
     finds them as its first forward did, however that one moved them."""
     net = built(DETERMINISTIC["tiny"]())
     model = Recomputed(training_model(net, CTX, "float32"), net, CTX, "float32")
-    seen = [[] for _ in model.segments]
-    model.segments = [(segment, moving(block, statistics, calls), statistics)
-                      for (segment, block, statistics), calls in zip(model.segments, seen)]
+    seen = [[] for _ in model.pieces]
+    model.pieces = [Piece(piece.segment, moving(piece.block, piece.statistics, calls),
+                          piece.statistics) for piece, calls in zip(model.pieces, seen)]
     rng = np.random.default_rng(1)
     images = mx.nd.array(rng.uniform(-1, 1, (BATCH, 3, FACE_SIZE, FACE_SIZE)), ctx=CTX)
     grad = mx.nd.array(rng.normal(size=(BATCH, EMBEDDING)), ctx=CTX)
@@ -129,10 +135,10 @@ def recorded_segments(seed: int = 5) -> tuple:
     base = int(mx.nd.random.randint(0, SEED_RANGE, shape=(1,)).asscalar())
     values = {DATA: images}
     with mx.autograd.record():
-        for index, (segment, block, _) in enumerate(model.segments):
+        for index, piece in enumerate(model.pieces):
             mx.random.seed(base + index)
-            outputs = outputs_of(block(*(values[name] for name in segment.inputs)))
-            values.update(zip(segment.outputs, outputs))
+            outputs = outputs_of(piece.block(*(values[name] for name in piece.segment.inputs)))
+            values.update(zip(piece.segment.outputs, outputs))
     values[EMBEDDINGS].backward(grad)
     params = list(net.collect_params().values())
     return (values[EMBEDDINGS].asnumpy(),
@@ -148,6 +154,18 @@ def test_the_recomputed_forward_draws_the_first_ones_masks_and_drop_paths():
     assert_same(recorded_segments(), recomputed)
     assert_same(recomputed, step(masked_vit, True))
     assert not np.allclose(step(masked_vit, True, seed=6)[0], recomputed[0])
+
+
+@pytest.mark.parametrize("network", ["r18", "mbf", "vit_t", "vit_t_dp005_mask0"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16_bit_segments_keep_float32_parameters_and_boundaries(network, dtype):
+    """A 16-bit run's segments, each converted by AMP as the whole graph is: every
+    parameter stays a float32 input (mixed_precision_graph refuses otherwise), and
+    every value passed between segments is float32 (what the estimate counts)."""
+    for segment in get_model(network).segments():
+        graph = mixed_precision_graph(segment.graph(), dtype, segment.inputs)
+        _, outputs, _ = graph.infer_type(**dict.fromkeys(segment.inputs, "float32"))
+        assert [np.dtype(kind) for kind in outputs] == [np.float32] * len(segment.outputs)
 
 
 @pytest.mark.parametrize("network", ["r50", "vit_t"])
@@ -168,10 +186,37 @@ class Unsegmented(mx.gluon.HybridBlock):
         return x
 
 
-def test_a_backbone_without_segments_is_refused_by_name():
+def with_segments(net: mx.gluon.HybridBlock, change) -> mx.gluon.HybridBlock:
+    """`net` whose segments() are change(its own)."""
+    own = net.segments()
+    net.segments = lambda: change(own)
+    return net
+
+
+@pytest.mark.parametrize("change, problem", [
+    (lambda own: own[:2] + own[3:], "used by no segment"),  # a unit left out
+    (lambda own: own[:3] + own[2:], "read by several segments"),  # a unit twice
+])
+def test_segments_that_would_train_another_network_are_refused(change, problem):
     assert recompute_problem(get_model("tiny")) is None
     with pytest.raises(RecomputeError, match="Unsegmented does not split into segments"):
         Recomputed(Unsegmented(), Unsegmented(), CTX, "float32")
+    net = with_segments(get_model("tiny"), change)
+    with pytest.raises(RecomputeError, match=f"segments are wrong: .*{problem}"):
+        Recomputed(net, net, CTX, "float32")
+
+
+def passed_through(own: list) -> list:
+    """The segments with a last one that returns its input unchanged."""
+    last = own[-1]
+    return [*own[:-1], Segment(last.inputs, ("head",), last.function),
+            Segment(("head",), (EMBEDDINGS,), lambda x: x)]
+
+
+def test_a_segment_that_returns_its_input_passes_the_gradient_on():
+    whole = step(DETERMINISTIC["tiny"], False)
+    assert_same(whole, step(lambda: with_segments(get_model("tiny", EMBEDDING),
+                                                  passed_through), True))
 
 
 def test_two_processes_train_the_same_losses_with_recomputation(tmp_path, synthetic):
@@ -188,6 +233,7 @@ def test_two_processes_train_the_same_losses_with_recomputation(tmp_path, synthe
         result = mpirun(2, train_args(config, work), timeout=600)
         assert result.returncode == 0, result.stdout[-3000:]
         losses[recompute] = logged(work)["losses"]
+        assert ("its activations recomputed" in logged(work)["text"]) == recompute
     assert sorted(losses[True]) == [1, 2, 3, 4]
     np.testing.assert_allclose([losses[True][s] for s in range(1, 5)],
                                [losses[False][s] for s in range(1, 5)], rtol=1e-5)

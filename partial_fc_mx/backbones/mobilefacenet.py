@@ -75,6 +75,7 @@ class MobileFaceNet(HybridBlock):
         return self.embedding(F, self.features(x))
 
     def embedding(self, F, features):
+        """The head: the GDC's features to the embedding."""
         flatten, dropout, dense, batch_norm = self.head
         return column_batch_norm(F, batch_norm, dense(dropout(flatten(features))))
 

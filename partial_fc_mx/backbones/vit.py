@@ -235,15 +235,17 @@ class VisionTransformer(HybridBlock):
         """The training graph as the stem (patches, positions, the mask), each block,
         and the head; the mask and its attention bias are constants."""
         pos_embed, mask_token = self.pos_embed.var(), self.mask_token.var()
-        streams = ("hidden", "key_bias") if self.size.masks else ()
+        masks = self.size.masks
+        hidden, key_bias = (("hidden",), ("key_bias",)) if masks else ((), ())
 
         def stem(x):
-            tokens, hidden, key_bias = self.embed(mx.sym, x, pos_embed, bool(streams))
-            return (tokens, hidden, key_bias) if streams else tokens
+            tokens, *mask = self.embed(mx.sym, x, pos_embed, masks)
+            return (tokens, *mask) if masks else tokens
 
         def tail(tokens, hidden=None):
             return self.head(mx.sym, tokens, hidden, mask_token, True)
 
-        return [Segment((DATA,), ("tokens", *streams), stem, constants=streams),
-                *(Segment(("tokens", *streams[1:]), ("tokens",), block) for block in self.blocks),
-                Segment(("tokens", *streams[:1]), (EMBEDDINGS,), tail)]
+        return [Segment((DATA,), ("tokens", *hidden, *key_bias), stem,
+                        constants=(*hidden, *key_bias)),
+                *(Segment(("tokens", *key_bias), ("tokens",), block) for block in self.blocks),
+                Segment(("tokens", *hidden), (EMBEDDINGS,), tail)]

@@ -134,8 +134,6 @@ def run(args: argparse.Namespace) -> None:
     results = []
     for network, batch, num_classes, head, recompute in itertools.product(
             args.networks, args.batch_size, args.classes, args.heads, args.recompute):
-        if head == "fc" and recompute == "on":
-            continue
         results.append(bench_config(world, network, batch, num_classes, head, args,
                                     recompute == "on"))
         if world.is_main:
@@ -169,6 +167,8 @@ def measure_config(world: dist.World, network: str, batch: int, num_classes: int
     ctx = dist.training_device(world)
     if head == "fc" and args.gradient_accumulation > 1:
         return {**result, "skipped": "gradient accumulation is Partial FC's (PartialFC.accumulate)"}
+    if head == "fc" and recompute:
+        return {**result, "skipped": "recomputation is measured with the pfc head"}
     if head == "fc" and (problem := data_parallel_problem(num_classes, args.embedding_size,
                                                           batch, world, ctx)):
         return {**result, "skipped": problem}
@@ -178,7 +178,8 @@ def measure_config(world: dist.World, network: str, batch: int, num_classes: int
                     fp16=args.fp16, cpu_precision=args.cpu_precision,
                     gradient_accumulation=args.gradient_accumulation,
                     recompute_activations=recompute,
-                    output=str(Path(args.output) / f"{network}-{batch}-{num_classes}-{head}"),
+                    output=str(Path(args.output) / f"{network}-{batch}-{num_classes}-{head}"
+                                                   f"{'-recomputed' if recompute else ''}"),
                     frequent=10**6)
     config.validate()
     start = time.perf_counter()

@@ -25,6 +25,7 @@ would keep every segment's activations between steps, what recomputing saves).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 import mxnet as mx
@@ -41,6 +42,16 @@ class RecomputeError(UserError, ValueError):
     """A backbone that cannot recompute its activations."""
 
 
+@dataclass(frozen=True)
+class Piece:
+    """A segment as it trains: its block over the network's parameters and the
+    BatchNorm statistics among them."""
+
+    segment: Segment
+    block: Callable
+    statistics: list
+
+
 class Recomputed:
     """The backbone that trains with recomputation: `forward` for the step, and the
     whole graph (`whole`, the model without recomputation) for anything else that
@@ -54,14 +65,14 @@ class Recomputed:
         self.ctx = ctx
         cpu_kernels = uses_cpu_kernels(net, ctx, dtype)
         params = net.collect_params()
-        self.segments: list[tuple[Segment, mx.gluon.SymbolBlock, list]] = []
+        self.pieces = []
         for segment in net.segments():
             graph = training_graph(segment.graph(), dtype, cpu_kernels, segment.inputs)
-            statistics = [params[name] for name in graph.list_auxiliary_states()]
-            self.segments.append((segment, graph_block(graph, segment.inputs, net,
-                                                       static_alloc=False), statistics))
-        self.constants = {DATA, *(name for segment, _, _ in self.segments
-                                  for name in segment.constants)}
+            self.pieces.append(Piece(segment, graph_block(graph, segment.inputs, net,
+                                                          static_alloc=False),
+                                     [params[name] for name in graph.list_auxiliary_states()]))
+        self.constants = {DATA, *(name for piece in self.pieces
+                                  for name in piece.segment.constants)}
 
     def __call__(self, images: mx.nd.NDArray) -> mx.nd.NDArray:
         return self.whole(images)
@@ -73,34 +84,42 @@ class Recomputed:
         base = int(mx.nd.random.randint(0, SEED_RANGE, shape=(1,)).asscalar())
         values, kept = {DATA: images}, []
         with mx.autograd.pause(train_mode=True):
-            for index, (segment, block, statistics) in enumerate(self.segments):
-                inputs = [values[name] for name in segment.inputs]
-                kept.append((inputs, [p.data(self.ctx).copy() for p in statistics]))
+            for index, piece in enumerate(self.pieces):
+                inputs = [values[name] for name in piece.segment.inputs]
+                kept.append((inputs, [p.data(self.ctx).copy() for p in piece.statistics]))
                 mx.random.seed(base + index)
-                values.update(zip(segment.outputs, outputs_of(block(*inputs))))
-        return values[EMBEDDINGS], partial(self.backward, kept, base)
+                values.update(zip(piece.segment.outputs, outputs_of(piece.block(*inputs))))
+        return values[EMBEDDINGS], partial(self._backward, kept, base)
 
-    def backward(self, kept: list, base: int, grad: mx.nd.NDArray) -> None:
+    def _backward(self, kept: list, base: int, grad: mx.nd.NDArray) -> None:
         """The parameters' gradients of a forward whose segments' inputs are `kept`,
         given the embeddings' gradient: the last segment first, each recomputed with
         the seed its forward had, its inputs' gradients passed to the one before."""
         grads = {EMBEDDINGS: grad}
-        for index in reversed(range(len(self.segments))):
-            segment, block, statistics = self.segments[index]
-            (inputs, before), kept[index] = kept[index], None  # freed after this segment
-            differentiable = [(name, x) for name, x in zip(segment.inputs, inputs)
-                              if name not in self.constants]
-            for _, x in differentiable:
-                x.attach_grad()
-            for parameter, value in zip(statistics, before):
-                parameter.data(self.ctx)[:] = value
-            with mx.autograd.record(train_mode=True):
-                mx.random.seed(base + index)
-                outputs = outputs_of(block(*inputs))
-            heads = [(out, grads.pop(name)) for name, out in zip(segment.outputs, outputs)
-                     if name in grads]
-            mx.autograd.backward([out for out, _ in heads], [g for _, g in heads])
-            grads.update((name, x.grad) for name, x in differentiable)
+        for index in reversed(range(len(self.pieces))):
+            (inputs, statistics), kept[index] = kept[index], None  # freed after it
+            grads.update(self._backward_segment(index, base + index, inputs, statistics,
+                                                grads))
+
+    def _backward_segment(self, index: int, seed: int, inputs: list, statistics: list,
+                          grads: dict) -> dict:
+        """Segment `index` recomputed from `inputs` (with the running `statistics` its
+        forward found, and its `seed`) and back-propagated from the gradients of its
+        outputs, taken from `grads`; the gradients of its inputs."""
+        piece = self.pieces[index]
+        differentiable = [(name, x) for name, x in zip(piece.segment.inputs, inputs)
+                          if name not in self.constants]
+        for _, x in differentiable:
+            x.attach_grad()
+        for parameter, value in zip(piece.statistics, statistics):
+            parameter.data(self.ctx)[:] = value
+        with mx.autograd.record(train_mode=True):
+            mx.random.seed(seed)
+            outputs = outputs_of(piece.block(*inputs))
+        heads = [(out, grads.pop(name)) for name, out in zip(piece.segment.outputs, outputs)
+                 if name in grads]
+        mx.autograd.backward([out for out, _ in heads], [g for _, g in heads])
+        return {name: x.grad for name, x in differentiable}
 
 
 def outputs_of(result) -> list:
@@ -108,7 +127,8 @@ def outputs_of(result) -> list:
     return list(result) if isinstance(result, (list, tuple)) else [result]
 
 
-def forward_for_backward(model, images: mx.nd.NDArray) -> tuple[mx.nd.NDArray, Callable]:
+def forward_for_backward(model: mx.gluon.HybridBlock | Recomputed, images: mx.nd.NDArray
+                         ) -> tuple[mx.nd.NDArray, Callable]:
     """The embeddings of `images` and the function that back-propagates a gradient of
     them into the backbone's parameters: recorded whole, or with recomputation."""
     if isinstance(model, Recomputed):

@@ -32,10 +32,11 @@ import mxnet as mx
 import numpy as np
 
 from ..backbones import get_model, graph_of
-from ..backbones.segments import DATA
+from ..backbones.segments import DATA, recompute_problem
 from ..config import Config
 from ..data.transforms import FACE_SIZE
 from ..run.precision import mixed_precision_graph
+from ..run.recompute import RecomputeError
 from .pfc_memory import PartialFCMemory, estimate_memory
 
 GiB = 2**30
@@ -127,6 +128,8 @@ def backbone_memory(config: Config, dtype: str, device: str = "cpu") -> Backbone
     states = optimizer_states(config)
     others = config.gradient_accumulation - 1
     accumulation = (others > 0) * 4 * trainable + others * config.batch_size * IMAGE_BYTES
+    if config.recompute_activations and (problem := recompute_problem(net)):
+        raise RecomputeError(problem)
     activations = (recomputed_activation_bytes(net, dtype, data, device)
                    if config.recompute_activations
                    else activation_bytes(graph, {DATA: data}, device))
@@ -134,25 +137,30 @@ def backbone_memory(config: Config, dtype: str, device: str = "cpu") -> Backbone
                           4 * states * trainable, activations, accumulation)
 
 
-def recomputed_activation_bytes(net, dtype: str, data: tuple, device: str) -> int:
+def recomputed_activation_bytes(net: mx.gluon.HybridBlock, dtype: str, data: tuple,
+                                device: str) -> int:
     """With recompute_activations (run/recompute.py): every segment's inputs, kept from
-    the forward to the backward, and the largest forward and backward of one segment.
-    A segment's block allocates per call, and its recording keeps every operator's
-    output until its backward: the planner's figure, which shares buffers across the
-    whole forward and backward, is only a floor (a vit_t block: 112 MiB planned at
-    batch 32, 270 MiB of outputs; docs/benchmarks.md has both against RSS)."""
-    shapes, kept, largest = {DATA: data}, 0, 0
-    for segment in net.segments():
+    the forward to the backward (float32 in either precision: AMP casts each segment's
+    outputs to it), and the largest forward and backward of one segment. A segment's
+    block allocates per call, and its recording keeps every operator's output until
+    its backward: the planner's figure, which shares buffers across the whole forward
+    and backward, is only a floor (a vit_t block at batch 32: 108 MiB planned, 261 MiB
+    of outputs; docs/benchmarks.md has the estimate against RSS)."""
+    shapes, producer, kept, largest = {DATA: data}, {DATA: -1}, {}, 0
+    for index, segment in enumerate(net.segments()):
         graph = segment.graph()
         if dtype != "float32":
             graph = mixed_precision_graph(graph, dtype, segment.inputs)
         inputs = {name: shapes[name] for name in segment.inputs}
-        kept += sum(4 * int(np.prod(shape)) for name, shape in inputs.items() if name != DATA)
+        for name, shape in inputs.items():  # a value several segments read: kept once
+            if name != DATA:
+                kept[name, producer[name]] = 4 * int(np.prod(shape))
         largest = max(largest, activation_bytes(graph, inputs, device),
                       operator_output_bytes(graph, inputs))
         _, outputs, _ = graph.infer_shape(**inputs)
         shapes.update(zip(segment.outputs, outputs))
-    return kept + largest
+        producer.update(dict.fromkeys(segment.outputs, index))
+    return sum(kept.values()) + largest
 
 
 def activation_bytes(graph: mx.sym.Symbol, inputs: dict[str, tuple], device: str) -> int:
@@ -193,24 +201,25 @@ def planned_bytes(graph: mx.sym.Symbol, inputs: dict[str, tuple]) -> int:
 
 def output_bytes(graph: mx.sym.Symbol, inputs: dict[str, tuple], operators: set[str]) -> int:
     """Bytes of the outputs of `graph`'s `operators` for inputs of the shapes `inputs`."""
-    internals = graph.get_internals()
-    _, shapes, _ = internals.infer_shape(**inputs)
-    _, types, _ = internals.infer_type(**dict.fromkeys(inputs, "float32"))
-    size = {name: int(np.prod(shape)) * np.dtype(kind).itemsize
-            for name, shape, kind in zip(internals.list_outputs(), shapes, types)}
+    size = internal_bytes(graph, inputs)
     return sum(size[f"{node['name']}_output"] for node in json.loads(graph.tojson())["nodes"]
                if node["op"] in operators)
 
 
 def operator_output_bytes(graph: mx.sym.Symbol, inputs: dict[str, tuple]) -> int:
     """Bytes of every output of every operator of `graph` (its variables' aside)."""
+    variables = set(graph.list_inputs())
+    return sum(size for name, size in internal_bytes(graph, inputs).items()
+               if name not in variables)
+
+
+def internal_bytes(graph: mx.sym.Symbol, inputs: dict[str, tuple]) -> dict[str, int]:
+    """The bytes of each of `graph`'s values, by name, for inputs of the shapes `inputs`."""
     internals = graph.get_internals()
     _, shapes, _ = internals.infer_shape(**inputs)
     _, types, _ = internals.infer_type(**dict.fromkeys(inputs, "float32"))
-    variables = set(graph.list_inputs())
-    return sum(int(np.prod(shape)) * np.dtype(kind).itemsize
-               for name, shape, kind in zip(internals.list_outputs(), shapes, types)
-               if name not in variables)
+    return {name: int(np.prod(shape)) * np.dtype(kind).itemsize
+            for name, shape, kind in zip(internals.list_outputs(), shapes, types)}
 
 
 def optimizer_states(config: Config) -> int:
