@@ -119,14 +119,16 @@ def test_a_recomputation_finds_the_statistics_its_first_forward_found():
             np.testing.assert_array_equal(again, before)
 
 
-def masked_vit() -> VisionTransformer:
-    return VisionTransformer(ViTSize(64, 3, 0.3, True), EMBEDDING)  # drop path and masks
+RANDOM = {
+    "vit": lambda: VisionTransformer(ViTSize(64, 3, 0.3, True), EMBEDDING),  # drop path, masks
+    "tiny-dropout": lambda: get_model("tiny", EMBEDDING, dropout=0.5),  # the head's
+}
 
 
-def recorded_segments(seed: int = 5) -> tuple:
+def recorded_segments(make_net, seed: int = 5) -> tuple:
     """The reference for a network with random operators: the same segments recorded in
     one graph, each drawing from the seed Recomputed gives it, one backward."""
-    net = built(masked_vit())
+    net = built(make_net())
     model = Recomputed(training_model(net, CTX, "float32"), net, CTX, "float32")
     rng = np.random.default_rng(1)
     images = mx.nd.array(rng.uniform(-1, 1, (BATCH, 3, FACE_SIZE, FACE_SIZE)), ctx=CTX)
@@ -146,14 +148,16 @@ def recorded_segments(seed: int = 5) -> tuple:
             [p.data(CTX).asnumpy() for p in params if p.grad_req == "null"])
 
 
-def test_the_recomputed_forward_draws_the_first_ones_masks_and_drop_paths():
-    """A ViT with patch masks and drop path: the gradients of a forward whose random
-    draws are the ones its recomputation repeats; two steps from one seed alike, and
-    other draws from another seed."""
-    recomputed = step(masked_vit, True)
-    assert_same(recorded_segments(), recomputed)
-    assert_same(recomputed, step(masked_vit, True))
-    assert not np.allclose(step(masked_vit, True, seed=6)[0], recomputed[0])
+@pytest.mark.parametrize("network", RANDOM)
+def test_the_recomputed_forward_draws_what_the_first_one_drew(network):
+    """A ViT with patch masks and drop path, an IResNet with dropout: the gradients of
+    a forward whose random draws are the ones its recomputation repeats; two steps
+    from one seed alike, and other draws from another seed."""
+    make_net = RANDOM[network]
+    recomputed = step(make_net, True)
+    assert_same(recorded_segments(make_net), recomputed)
+    assert_same(recomputed, step(make_net, True))
+    assert not np.allclose(step(make_net, True, seed=6)[0], recomputed[0])
 
 
 @pytest.mark.parametrize("network", ["r18", "mbf", "vit_t", "vit_t_dp005_mask0"])
