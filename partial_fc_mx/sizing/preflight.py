@@ -218,8 +218,9 @@ def check_memory(need: RunMemory, available: int) -> list[str]:
     if need.total <= available:
         return []
     return [f"this process needs about {need.total / GiB:.1f} GiB ({describe_memory(need)}) "
-            f"but {available / GiB:.1f} GiB is free; lower batch_size (the activations), "
-            "or use more processes, a lower sample_rate or fp16_centers=True (Partial FC)"]
+            f"but {available / GiB:.1f} GiB is free; lower batch_size or set "
+            "recompute_activations=True (the activations), or use more processes, a lower "
+            "sample_rate or fp16_centers=True (Partial FC)"]
 
 
 def describe_room(free: int | None, need: RunMemory | None) -> str:
