@@ -69,7 +69,7 @@ def recompute_problem(net: mx.gluon.HybridBlock) -> str | None:
     segments = net.segments()
     constants = {name for segment in segments for name in segment.constants}
     readers: dict = {}
-    version = dict.fromkeys([DATA], -1)
+    version = {DATA: -1}
     used: dict = {}
     for index, segment in enumerate(segments):
         for name in segment.inputs:

@@ -42,6 +42,13 @@ class RecomputeError(UserError, ValueError):
     """A backbone that cannot recompute its activations."""
 
 
+def segments_of(net: mx.gluon.HybridBlock) -> list[Segment]:
+    """`net`'s segments, or RecomputeError saying why it has none that would train it."""
+    if problem := recompute_problem(net):
+        raise RecomputeError(problem)
+    return net.segments()
+
+
 @dataclass(frozen=True)
 class Piece:
     """A segment as it trains: its block over the network's parameters and the
@@ -59,14 +66,12 @@ class Recomputed:
 
     def __init__(self, whole: mx.gluon.HybridBlock, net: mx.gluon.HybridBlock,
                  ctx: mx.Context, dtype: str) -> None:
-        if problem := recompute_problem(net):
-            raise RecomputeError(problem)
         self.whole = whole
         self.ctx = ctx
         cpu_kernels = uses_cpu_kernels(net, ctx, dtype)
         params = net.collect_params()
         self.pieces = []
-        for segment in net.segments():
+        for segment in segments_of(net):
             graph = training_graph(segment.graph(), dtype, cpu_kernels, segment.inputs)
             self.pieces.append(Piece(segment, graph_block(graph, segment.inputs, net,
                                                           static_alloc=False),

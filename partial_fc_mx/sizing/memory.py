@@ -32,11 +32,11 @@ import mxnet as mx
 import numpy as np
 
 from ..backbones import get_model, graph_of
-from ..backbones.segments import DATA, recompute_problem
+from ..backbones.segments import DATA
 from ..config import Config
 from ..data.transforms import FACE_SIZE
-from ..run.precision import mixed_precision_graph
-from ..run.recompute import RecomputeError
+from ..run.precision import training_graph
+from ..run.recompute import segments_of
 from .pfc_memory import PartialFCMemory, estimate_memory
 
 GiB = 2**30
@@ -116,9 +116,7 @@ def backbone_memory(config: Config, dtype: str, device: str = "cpu") -> Backbone
     without a gradient (the embedding BatchNorm's fixed scale) has neither."""
     net = get_model(config.network, config.embedding_size, config.dropout)
     frozen = {p.name for p in net.collect_params().values() if p.grad_req == "null"}
-    graph = graph_of(net)
-    if dtype != "float32":
-        graph = mixed_precision_graph(graph, dtype)
+    graph = training_graph(graph_of(net), dtype, cpu_kernels=False)
     data = (config.batch_size, 3, FACE_SIZE, FACE_SIZE)
     arguments, _, auxiliary = graph.infer_shape(data=data)
     sizes = {name: int(np.prod(shape)) for name, shape in zip(graph.list_arguments(), arguments)
@@ -128,8 +126,6 @@ def backbone_memory(config: Config, dtype: str, device: str = "cpu") -> Backbone
     states = optimizer_states(config)
     others = config.gradient_accumulation - 1
     accumulation = (others > 0) * 4 * trainable + others * config.batch_size * IMAGE_BYTES
-    if config.recompute_activations and (problem := recompute_problem(net)):
-        raise RecomputeError(problem)
     activations = (recomputed_activation_bytes(net, dtype, data, device)
                    if config.recompute_activations
                    else activation_bytes(graph, {DATA: data}, device))
@@ -147,10 +143,9 @@ def recomputed_activation_bytes(net: mx.gluon.HybridBlock, dtype: str, data: tup
     and backward, is only a floor (a vit_t block at batch 32: 108 MiB planned, 261 MiB
     of outputs; docs/benchmarks.md has the estimate against RSS)."""
     shapes, producer, kept, largest = {DATA: data}, {DATA: -1}, {}, 0
-    for index, segment in enumerate(net.segments()):
-        graph = segment.graph()
-        if dtype != "float32":
-            graph = mixed_precision_graph(graph, dtype, segment.inputs)
+    for index, segment in enumerate(segments_of(net)):
+        graph = training_graph(segment.graph(), dtype, cpu_kernels=False,
+                               inputs=segment.inputs)
         inputs = {name: shapes[name] for name in segment.inputs}
         for name, shape in inputs.items():  # a value several segments read: kept once
             if name != DATA:
