@@ -224,12 +224,15 @@ def test_only_the_cpu_training_graph_uses_the_kernel():
 
 def test_a_vits_cpu_training_graph_computes_every_layer_norm_with_the_kernel():
     """vit_t's 25 LayerNorms: the kernel's in float32 and bfloat16 (AMP keeps them in
-    float32), MXNet's in the network's own graph and in float16 (a GPU's)."""
+    float32), in the training graph and in the inference graph beside it (modes.py),
+    MXNet's in the network's own graph and in float16 (a GPU's)."""
     net, model = build_backbone(Config(network="vit_t", embedding_size=64), mx.cpu())
-    own, trained = ops(graph_of(net)), ops(model(mx.sym.var("data")))
+    own = ops(graph_of(net))
     assert own.count("LayerNorm") == 25 and "pfc_layer_norm" not in own
-    assert trained.count("pfc_layer_norm") == 25 and "LayerNorm" not in trained
-    bfloat16 = training_model(net, mx.cpu(), "bfloat16")(mx.sym.var("data"))
+    for block in (model.training, model.inference):
+        trained = ops(block(mx.sym.var("data")))
+        assert trained.count("pfc_layer_norm") == 25 and "LayerNorm" not in trained
+    bfloat16 = training_model(net, mx.cpu(), "bfloat16").training(mx.sym.var("data"))
     assert ops(bfloat16).count("pfc_layer_norm") == 25
     kinds = Counter(types(bfloat16))  # AMP's casts all kept; the kernel's mean and 1 / std
     expected = Counter(types(mixed_precision_graph(graph_of(net), "bfloat16")))
@@ -237,7 +240,7 @@ def test_a_vits_cpu_training_graph_computes_every_layer_norm_with_the_kernel():
     assert kinds[float32] == expected[float32] + 2 * 25
     assert {k: n for k, n in kinds.items() if k != float32} == {
         k: n for k, n in expected.items() if k != float32} and len(kinds) == 2
-    float16 = ops(training_model(net, mx.cpu(), "float16")(mx.sym.var("data")))
+    float16 = ops(training_model(net, mx.cpu(), "float16").training(mx.sym.var("data")))
     assert "pfc_layer_norm" not in float16 and float16.count("LayerNorm") == 25
 
 
@@ -246,12 +249,14 @@ def first_slopes_of(net: mx.gluon.HybridBlock) -> mx.gluon.Parameter:
     return next(p for name, p in net.collect_params().items() if name.endswith("alpha"))
 
 
-def slope_gradients(block: mx.gluon.HybridBlock, images: mx.nd.NDArray,
-                    cotangent: mx.nd.NDArray) -> dict[str, np.ndarray]:
+def slope_gradients(block, images: mx.nd.NDArray, cotangent: mx.nd.NDArray,
+                    params: mx.gluon.ParameterDict | None = None) -> dict[str, np.ndarray]:
+    """The gradients of `params` (default: `block`'s own) from one recorded forward."""
     with mx.autograd.record():
         embeddings = block(images)
     embeddings.backward(cotangent)
-    return {name: p.grad().asnumpy().copy() for name, p in block.collect_params().items()
+    params = block.collect_params() if params is None else params
+    return {name: p.grad().asnumpy().copy() for name, p in params.items()
             if p.grad_req != "null"}
 
 
@@ -351,7 +356,7 @@ def test_a_backbones_training_graph_has_the_gradients_of_its_own(network):
 
     def gradients(block, inputs=images):
         mx.random.seed(5)
-        return slope_gradients(block, inputs, cotangent)
+        return slope_gradients(block, inputs, cotangent, net.collect_params())
 
     own, trained, own_nudged = gradients(net), gradients(model), gradients(net, nudged)
     wrong_in_mxnet = {first_slopes_of(net).name} if network == "mbf" else set()

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from partial_fc_mx.backbones import get_model, graph_of
+from partial_fc_mx.backbones.modes import ByMode
 from partial_fc_mx.backbones.summary import count_flops
 from partial_fc_mx.backbones.vit import (
     PATCH,
@@ -23,7 +24,7 @@ from partial_fc_mx.backbones.vit import (
     drop_path,
 )
 from partial_fc_mx.config import Config, ConfigError
-from partial_fc_mx.run.precision import build_backbone, mixed_precision_graph
+from partial_fc_mx.run.precision import build_backbone, mixed_precision_graph, training_model
 
 ANCHOR_INIT = json.loads((Path(__file__).parent / "anchor_init.json").read_text())
 """arcface_torch's vit_t as it initialises it: [[name, mean, std], ...], recorded by
@@ -138,12 +139,24 @@ def test_the_inference_graph_has_no_training_only_operator(name):
     assert not any(n["name"].endswith("mask_token") for n in inference)
 
 
-def test_inference_gives_the_same_embeddings_as_the_training_graph_in_inference_mode():
-    net = tiny_vit(drop=0.3)
+@pytest.mark.parametrize("masks", [True, False])
+def test_inference_gives_the_same_embeddings_as_the_training_graph_in_inference_mode(masks):
+    """What evaluation during training computes: the network itself (a GPU's float32
+    run trains it) and the CPU's training model (its kernels; with a masking network,
+    a ByMode beside the inference graph) give the inference graph's embeddings outside
+    training, though a masking network's training graph computes 129 tokens."""
+    net = tiny_vit(masks=masks, drop=0.3)
+    model = training_model(net, mx.cpu(), "float32")
+    assert isinstance(model, ByMode) == masks
     x = mx.nd.random.uniform(-1, 1, (3, 3, 112, 112))
-    block = mx.gluon.SymbolBlock(graph_of(net, training=False), [mx.sym.var("data")],
+    block = mx.gluon.SymbolBlock(graph_of(net, training=False),
+                                 [mx.sym.var("data", dtype="float32")],
                                  params=net.collect_params())
-    assert np.allclose(block(x).asnumpy(), net(x).asnumpy(), rtol=1e-5, atol=1e-5)
+    expected = block(x).asnumpy()
+    for computes in (net, model):
+        assert np.allclose(expected, computes(x).asnumpy(), rtol=1e-5, atol=1e-5)
+    net.hybridize(active=False)  # imperative, as import-backbone's calibration runs it
+    assert np.allclose(expected, net(x).asnumpy(), rtol=1e-5, atol=1e-5)
 
 
 def test_a_vit_with_dropout_is_refused_by_name():

@@ -52,6 +52,12 @@ def get_model(name: str, embedding_size: int = 512, dropout: float = 0.0) -> Hyb
                    embedding_size=embedding_size, dropout=dropout)
 
 
+def infers_with_another_graph(net: HybridBlock) -> bool:
+    """Whether `net`'s training graph cannot run inference: a ViT that masks patches
+    computes the kept tokens only in training (vit.py)."""
+    return isinstance(net, VisionTransformer) and net.size.masks
+
+
 def graph_of(net: HybridBlock, training: bool = True) -> mx.sym.Symbol:
     """`net`'s graph with its float32 input named "data", from calling it on a symbol:
     nothing runs and no cached graph is needed (the float32 network of a 16-bit run

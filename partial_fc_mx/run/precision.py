@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING
 import mxnet as mx
 import numpy as np
 
-from ..backbones import get_model, graph_of
+from ..backbones import get_model, graph_of, infers_with_another_graph
 from ..backbones.float32 import float32_operators
+from ..backbones.modes import ByMode, graph_block
 from ..data.transforms import FACE_SIZE
 from ..errors import UserError
 from ..pfc.centers import HOST_CHUNK_ELEMENTS
@@ -99,16 +100,22 @@ def build_backbone(config: Config, ctx: mx.Context, dtype: str = "float32") -> t
 
 
 def training_model(net: mx.gluon.HybridBlock, ctx: mx.Context,
-                   dtype: str) -> mx.gluon.HybridBlock:
-    """What computes the embeddings: `net` itself in float32 on a GPU; otherwise `net`'s
-    graph as training_graph makes it, as a block whose parameters are `net`'s own
-    float32 Parameter objects: an update of either is an update of both. Built from
-    the symbol alone: nothing is computed, so it can be built and checked on any
-    device."""
+                   dtype: str) -> mx.gluon.HybridBlock | ByMode:
+    """What computes the embeddings, in training and in evaluation: `net` itself in
+    float32 on a GPU; otherwise `net`'s graph as training_graph makes it, as a block
+    whose parameters are `net`'s own float32 Parameter objects: an update of either is
+    an update of both (with its inference graph beside it, made the same way, where
+    the training graph cannot infer: modes.py). Built from the symbols alone: nothing
+    is computed, so it can be built and checked on any device."""
     cpu_kernels = uses_cpu_kernels(net, ctx, dtype)
     if dtype == "float32" and not cpu_kernels:
-        return net
-    return graph_block(training_graph(graph_of(net), dtype, cpu_kernels), ("data",), net)
+        return net  # a masking ViT infers through its inference graph itself (vit.py)
+
+    def block(training: bool) -> mx.gluon.SymbolBlock:
+        graph = training_graph(graph_of(net, training), dtype, cpu_kernels)
+        return graph_block(graph, ("data",), net)
+
+    return ByMode(block(True), block(False)) if infers_with_another_graph(net) else block(True)
 
 
 def uses_cpu_kernels(net: mx.gluon.HybridBlock, ctx: mx.Context, dtype: str) -> bool:
@@ -128,15 +135,6 @@ def training_graph(graph: mx.sym.Symbol, dtype: str, cpu_kernels: bool,
     if cpu_kernels:  # after AMP: its float32 casts for LeakyReLU and LayerNorm serve them
         graph = with_cpu_kernels(graph, rank_threads())
     return graph
-
-
-def graph_block(graph: mx.sym.Symbol, inputs: tuple[str, ...], net: mx.gluon.HybridBlock,
-                static_alloc: bool = True) -> mx.gluon.SymbolBlock:
-    """`graph` as a hybridized block over `net`'s Parameter objects."""
-    block = mx.gluon.SymbolBlock(graph, [mx.sym.var(name, dtype="float32") for name in inputs],
-                                 params=net.collect_params())
-    block.hybridize(static_alloc=static_alloc, static_shape=static_alloc)
-    return block
 
 
 def mixed_precision_graph(graph: mx.sym.Symbol, dtype: str,

@@ -30,9 +30,10 @@ from functools import partial
 
 import mxnet as mx
 
+from ..backbones.modes import graph_block
 from ..backbones.segments import DATA, EMBEDDINGS, Segment, recompute_problem
 from ..errors import UserError
-from .precision import graph_block, training_graph, uses_cpu_kernels
+from .precision import training_graph, uses_cpu_kernels
 
 SEED_RANGE = 2**30
 """A step's segment seeds are base, base + 1, ...: base is drawn below this."""
