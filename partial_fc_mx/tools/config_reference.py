@@ -56,6 +56,7 @@ verification sets are never executed (training.md, evaluation.md).
 | `webface4m_r50.py` | WebFace4M, 205,990 ids (0.3) | r50 | ArcFace |
 | `webface42m_r100.py` | WebFace42M, 2,059,906 ids (0.2) | r100 | ArcFace |
 | `webface42m_vit_t.py` | WebFace42M (0.3), AdamW | vit_t_dp005_mask0 | CosFace |
+| `webface42m_vit_s.py` | WebFace42M (0.3), AdamW, 384 a GPU | vit_s_dp005_mask_0 | CosFace |
 | `random_1m_r50.py`, `random_10m_r50.py` | random tensors, 1M / 10M ids (0.1) | r50 | ArcFace |
 | `synthetic_sampling.py` | synthetic look-alike ids (docs/parity.md) | tiny | ArcFace |
 
