@@ -183,17 +183,24 @@ def test_the_16_bit_graph_keeps_what_arcface_torch_keeps_in_float32(name, dtype)
     dense layers in 16 bits; the attention's batch_dot, its softmax and LayerNorm in
     float32, as arcface_torch leaves autocast for them, and the patch convolution and
     the feature head (its two dense layers and their BatchNorms) in float32, as
-    arcface_torch calls its ViT outside autocast (backbones/float32.py)."""
+    arcface_torch calls its ViT outside autocast (backbones/float32.py). The masking
+    gathers' indices (up to 144 N) stay float32: bfloat16 would round them."""
     graph = mixed_precision_graph(graph_of(get_model(name)), dtype)
     internals = graph.get_internals()
     _, types, _ = internals.infer_type(data="float32")
     type_of = dict(zip(internals.list_outputs(), types))
     computed: dict = {}
-    for node in json.loads(graph.tojson())["nodes"]:
+    nodes = json.loads(graph.tojson())["nodes"]
+    for node in nodes:
         if node["op"] in ("Convolution", "FullyConnected", "batch_dot", "softmax", "LayerNorm",
                           "BatchNorm"):
             computed.setdefault(node["op"], []).append(
                 np.dtype(type_of[f"{node['name']}_output"]).itemsize)
+        if node["op"] == "take":
+            index = nodes[node["inputs"][1][0]]
+            computed.setdefault("take", []).append(
+                np.dtype(type_of[f"{index['name']}_output"]).itemsize)
+    assert computed.get("take", []) == ([4, 4] if VIT_SIZES[name].masks else [])
     blocks, head = computed["FullyConnected"][:-2], computed["FullyConnected"][-2:]
     assert len(blocks) == 4 * VIT_SIZES[name].depth and set(blocks) == {2}
     assert head == [4, 4] and set(computed["Convolution"]) == set(computed["BatchNorm"]) == {4}
