@@ -5,11 +5,11 @@ only the inputs of, and recomputes one at a time in the backward.
 A segment reads named values and writes named values: "data" (the images) is the
 first input, "embeddings" the last output. A name written again (each block's
 "tokens") is the newer value from there on. Values that no gradient flows back into
-(a ViT's patch mask, drawn from noise) are a segment's `constants`: the backward
-neither computes nor passes their gradients; any other value is read by one segment
-only (its gradient comes from that one). A network offers its chain as a
-`segments()` method, whose segments together use each of its parameters, each in
-one segment; `recompute_problem` says where one does not.
+(a masking ViT's token places, a permutation drawn from noise) are a segment's
+`constants`: the backward neither computes nor passes their gradients; any other
+value is read by one segment only (its gradient comes from that one). A network
+offers its chain as a `segments()` method, whose segments together use each of its
+parameters, each in one segment; `recompute_problem` says where one does not.
 """
 
 from __future__ import annotations

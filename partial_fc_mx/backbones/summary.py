@@ -14,10 +14,11 @@ from . import graph_of
 
 
 def count_flops(net: HybridBlock, size: int = FACE_SIZE) -> tuple[int, int]:
-    """(parameters, multiply-adds for one 3 x size x size image) of an initialized net.
+    """(parameters, multiply-adds for one 3 x size x size image) of a net.
 
-    Read from the hybridized graph with inferred shapes, counting convolutions, dense
-    layers and batch_dot (a ViT's attention; everything else is a rounding error).
+    Read from its inference graph with inferred shapes (no weights needed), counting
+    convolutions, dense layers and batch_dot (a ViT's attention; everything else is a
+    rounding error).
     """
     net.infer_shape(mx.nd.zeros((1, 3, size, size)))  # the parameters' shapes: nothing runs
     symbol = graph_of(net, training=False)  # a masking ViT trains on fewer tokens

@@ -178,9 +178,9 @@ class VisionTransformer(HybridBlock):
     def forward(self, x, *args):
         """In inference on arrays, a masking network's inference graph (its training
         graph computes the kept tokens only): computed imperatively where the network
-        is (calibration.py's hooks read its layers), else a block of it; otherwise
-        HybridBlock's forward."""
-        if (self.size.masks and isinstance(x, mx.nd.NDArray)
+        is (calibration.py's hooks read its layers), else a block of it; otherwise, and
+        for a caller that says which graph (`training_ops`), HybridBlock's forward."""
+        if (self.size.masks and isinstance(x, mx.nd.NDArray) and not args
                 and not mx.autograd.is_training()):
             if not self._active:  # not hybridized
                 return super().forward(x, False)
@@ -190,11 +190,20 @@ class VisionTransformer(HybridBlock):
             return self._graphs["inference"](x)
         return super().forward(x, *args)
 
+    def hybridize(self, *args, **kwargs) -> None:
+        self._graphs.clear()  # built again, with the new flags, by the next inference
+        super().hybridize(*args, **kwargs)
+
+    def cast(self, dtype) -> None:
+        self._graphs.clear()
+        super().cast(dtype)
+
     def hybrid_forward(self, F, x, training_ops: bool = True, *, pos_embed, mask_token):
         """`training_ops` False leaves masking and drop path out of the graph: only
         when called on a symbol (graph_of); a hybridized call with arrays takes arrays
-        only, and gets the training graph in training, the inference graph outside
-        it (forward)."""
+        only, and gets the training graph in training; outside it a masking network
+        gets its inference graph (forward), another its training graph, whose
+        dropout and drop path are then the identity."""
         masks = training_ops and self.size.masks
         tokens, places = self.embed(F, x, pos_embed, masks)
         length = KEPT_TOKENS if masks else TOKENS
