@@ -36,6 +36,8 @@ class ConfigError(UserError, ValueError):
 FLOAT32_MAX = 3.4028234663852886e38
 CPU_PRECISIONS = ("auto", "bfloat16", "float32")
 """cpu_precision's settings (cpu_precision.py)."""
+PFC_GEMMS = ("auto", "float32", "bfloat16")
+"""pfc_gemm's settings (pfc/gemm.py)."""
 
 
 @dataclass
@@ -87,6 +89,13 @@ class Config:
     """What fp16=True means on a CPU host: "auto", bfloat16 where the CPU computes it
     natively (AVX512_BF16 or AMX) and oneDNN runs the network in it, float32 elsewhere;
     "bfloat16" or "float32" forces either (cpu_precision.py; docs/training.md)."""
+    pfc_gemm: str = "float32"
+    """The inputs of Partial FC's three GEMMs: "float32"; "bfloat16" (rounded to it,
+    float32 accumulation and output, by oneDNN 3 on a CPU with AVX512_BF16 or AMX: the
+    GEMMs in about half the time); "auto", bfloat16 where the CPU computes it, float32
+    elsewhere, and the log says why. The margin, softmax, loss and updates stay float32
+    (pfc/gemm.py; docs/training.md). The default stays float32 until the parity study
+    shows bfloat16's models within the seeds' spread."""
     recompute_activations: bool = False
     """Keep only each backbone segment's input (a ViT's blocks, an IResNet's residual
     units) between the forward and the backward, and recompute the segments one at a
@@ -271,6 +280,9 @@ class Config:
         elif self.cpu_precision == "bfloat16" and not self.fp16:
             problems.append("cpu_precision='bfloat16' asks for the 16-bit backbone that "
                             "fp16=False turns off; set fp16=True too")
+        if self.pfc_gemm not in PFC_GEMMS:
+            problems.append(f"pfc_gemm={self.pfc_gemm!r} must be one of "
+                            f"{', '.join(map(repr, PFC_GEMMS))}")
         if not 0 <= self.dropout < 1:
             problems.append(f"dropout={self.dropout} must be in [0, 1)")
         elif problem := dropout_problem(self.network, self.dropout):

@@ -39,6 +39,8 @@ from .errors import UserError
 from .evaluation.baseline import eigenfaces_accuracy
 from .evaluation.validator import Validator
 from .evaluation.verification import load_bin, mxnet_forward
+from .pfc.gemm import GemmChoice, classifier_gemm
+from .pfc.gemm import choose as choose_gemm
 from .pfc.partial_fc import NoTimer, PartialFC
 from .run import checkpoint, cpu_precision, workdir
 from .run.backbone_optimizer import BackboneAdamW, OptimizerStateError
@@ -207,11 +209,11 @@ def start(config: Config, resume_from: str | None, load_from: str | None) -> Run
     """Everything a run needs, with every rank failing together on bad input."""
     world = dist.init()
     ctx = dist.training_device(world)
-    precision = agreed_precision(config, ctx)
+    precision, gemm = agreed_precision(config, ctx), agreed_gemm(config, ctx)
     mx.random.seed(config.seed)
     work_dir, dataset, loader, validator, (net, model), pfc, trainer = dist.run_agreed(
         lambda: build(config, world, ctx, precision.dtype,
-                      fresh_centers=not (resume_from or load_from)),
+                      fresh_centers=not (resume_from or load_from), gemm_dtype=gemm.dtype),
         "start", (UserError,), TrainingError,
         "start-up failed")
     workdir.check_shared(work_dir, world)
@@ -229,7 +231,8 @@ def start(config: Config, resume_from: str | None, load_from: str | None) -> Run
                                              loader.global_batch)
     log = TrainingLog(work_dir, world.is_main, total, loader.global_batch, config.frequent,
                       first_step=state.step, job=os.environ.get(JOB_VARIABLE))
-    for note in [*notes, describe(config, world, ctx, precision, loader, state, total)]:
+    for note in [*notes, describe(config, world, ctx, precision, loader, state, total),
+                 f"classifier GEMMs: {gemm.dtype} inputs ({gemm.reason})"]:
         log.info(note)
     scaler = LossScaler.resumed(precision.dtype != "float32",
                                 state.loss_scale if resume_from else None)
@@ -242,15 +245,28 @@ def agreed_precision(config: Config, ctx: mx.Context) -> cpu_precision.Choice:
     """The backbone's compute type, the same on every rank (cpu_precision.py): each
     rank's host decides, cached, before anything is built; a forced bfloat16 that
     a host cannot run stops every rank."""
-    mine = dist.run_agreed(lambda: cpu_precision.host_choice(config, ctx.device_type == "gpu"),
-                           "precision", (UserError,), TrainingError,
-                           "cannot choose the backbone's precision")
+    return agreed_host_choice(
+        lambda: cpu_precision.host_choice(config, ctx.device_type == "gpu"), "precision",
+        "cannot choose the backbone's precision")
+
+
+def agreed_gemm(config: Config, ctx: mx.Context) -> GemmChoice:
+    """The classifier GEMMs' input type (config pfc_gemm, pfc/gemm.py), the same on
+    every rank, as the backbone's precision."""
+    return agreed_host_choice(lambda: choose_gemm(config.pfc_gemm, ctx.device_type == "gpu"),
+                              "pfc_gemm", "cannot choose the classifier's GEMMs")
+
+
+def agreed_host_choice(decide, name: str, failure: str):
+    """What every host decides for itself (`decide`, raising a UserError where it cannot),
+    made one choice for all ranks (cpu_precision.agree); a failure stops every rank."""
+    mine = dist.run_agreed(decide, name, (UserError,), TrainingError, failure)
     return cpu_precision.agree(dist.allgather_object((socket.gethostname(), mine),
-                                                     name="precision.hosts"))
+                                                     name=f"{name}.hosts"))
 
 
 def build(config: Config, world: dist.World, ctx: mx.Context, dtype: str,
-          fresh_centers: bool) -> tuple:
+          fresh_centers: bool, gemm_dtype: str) -> tuple:
     """The run's parts, from local work only: no collective, so a rank that fails here
     cannot leave the others waiting. Without `fresh_centers` (a checkpoint will
     replace them: restore() fails the run otherwise) the centers are not drawn: minutes
@@ -265,20 +281,22 @@ def build(config: Config, world: dist.World, ctx: mx.Context, dtype: str,
     if config.recompute_activations:
         model = Recomputed(model, net, ctx, dtype)
     return (work_dir, dataset, loader, validator, (net, model),
-            build_classifier(config, world, ctx, fresh_centers), make_trainer(config, net))
+            build_classifier(config, world, ctx, fresh_centers, gemm_dtype),
+            make_trainer(config, net))
 
 
 def build_classifier(config: Config, world: dist.World, ctx: mx.Context,
-                     fresh_centers: bool = True) -> PartialFC:
-    """This rank's Partial FC as the config describes it (the parity study's arm
-    builds its classifier here too)."""
+                     fresh_centers: bool = True, gemm_dtype: str = "float32") -> PartialFC:
+    """This rank's Partial FC as the config describes it, its GEMMs' inputs in
+    `gemm_dtype` (agreed_gemm's; the parity study's arm builds its classifier here too)."""
     return PartialFC(config.num_classes, config.embedding_size, rank=world.rank,
                      world_size=world.size, ctx=ctx, sample_rate=config.sample_rate,
                      margin=config.margin_function(), fp16_centers=config.fp16_centers,
                      seed=config.seed, center_update=config.center_update_mode(),
                      optimizer=config.centers_optimizer(), initialize_centers=fresh_centers,
                      interclass_filtering_threshold=config.interclass_filtering_threshold,
-                     num_subcenters=config.num_subcenters)
+                     num_subcenters=config.num_subcenters,
+                     gemm=classifier_gemm(gemm_dtype))
 
 
 def describe(config: Config, world: dist.World, ctx: mx.Context,

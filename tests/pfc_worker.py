@@ -16,7 +16,8 @@ other in one launch (the process start-up, not the cases, was most of the time).
        a case may add "sub3" (sub-center ArcFace, 3 rows per class) and "filter"
        (inter-class filtering at 0.2), e.g. sub3-filter-blocks-replay-sampled, and
        "accum" (each rank's batch in 2 accumulated micro-batches, held to the
-       reference of the whole batch, its sample to the whole batch's)
+       reference of the whole batch, its sample to the whole batch's), and "gemm16"
+       (the GEMMs' inputs rounded to bfloat16 by oneDNN 3, held to GEMM16's band)
 """
 
 from __future__ import annotations
@@ -35,6 +36,14 @@ from pfc_reference import adamw, loss_and_grads, sgd_momentum  # noqa: E402
 from partial_fc_mx.cleaning.dominant import own_class_cosines  # noqa: E402
 from partial_fc_mx.pfc.center_optimizers.adamw import AdamW  # noqa: E402
 from partial_fc_mx.pfc.center_optimizers.sgd import SGD  # noqa: E402
+from partial_fc_mx.pfc.gemm import (  # noqa: E402
+    ISA_BFLOAT16,
+    GemmChoiceError,
+    OneDNNGemm,
+    choose,
+    effective_isa,
+    onednn_library,
+)
 from partial_fc_mx.pfc.margins.adaface import AdaFace  # noqa: E402
 from partial_fc_mx.pfc.partial_fc import PartialFC, PartialFCInputError  # noqa: E402
 from partial_fc_mx.pfc.rows import ComposedRows, FusedRows  # noqa: E402
@@ -50,6 +59,17 @@ negatives are filtered (at least 2% checked)."""
 BFLOAT16 = np.dtype([("bfloat16", np.uint16)])  # how MXNet 1.9 names bfloat16
 # relative rounding of the embedding gradient handed back in the embeddings' dtype
 ROUNDING = {"fp16": 2e-3, "bf16": 1e-2}
+UNIT_ROUNDOFF = 2.0**-8  # bfloat16's: 8 significant bits, rounded to nearest
+GEMM16 = {"loss": 2 * UNIT_ROUNDOFF, "rest": 3 * UNIT_ROUNDOFF}
+"""The band of the bfloat16 GEMM inputs (gemm16), from the format, not from a run: a
+product of two rounded numbers is off by at most 2u relative, which bounds the logits'
+error and so the loss's; what the backward GEMMs give (the gradients, and the updates
+and states made of them) multiplies two rounded inputs of which one, the
+probabilities, carries the rounded logits' error too: 3u. Observed: at most 0.6 of it.
+The inter-class filter's threshold and sub-centers' argmax are rules, not smooth
+functions: an entry within the rounding of the threshold, or two sub-centers within it
+of each other, may be decided the other way, so gemm16 is held to the band without
+them (the rules' paths are the same code as in float32)."""
 
 
 def rel(a, b) -> float:
@@ -148,6 +168,8 @@ def run_steps(case: str, rank: int, world: int) -> dict:
     assert isinstance(pfc.rows, FusedRows)  # the CPU's
     if "composed" in case:  # the row passes a GPU runs, from MXNet operators
         pfc.rows = ComposedRows(pfc.buffers)
+    if "gemm16" in case:  # the GEMMs' inputs rounded to bfloat16, by oneDNN 3
+        pfc.gemm = OneDNNGemm(onednn_library(), threads=1)
     shard = slice(pfc.shard.start * k, pfc.shard.stop * k)  # the shard's rows
     stored = {name: parts[0].dtype for name, parts in pfc.centers.arrays().items()}
     # the reference starts from the same (rounded) values
@@ -343,6 +365,8 @@ def run_case(case: str, rank: int, world: int) -> str:
         return f"PASS rank {rank}/{world} {case}: {run_nan_center(rank, world, k)}"
     if case in ("bad-label", "nonfinite", "width"):
         return f"REJECTED rank {rank}: {run_bad_input(case, rank, world)}"
+    if "gemm16" in case and (refused := bfloat16_gemms_refused()):
+        return f"PASS rank {rank}/{world} {case}: this CPU has no bfloat16 GEMMs: {refused}"
     grad_limit = next((v for k, v in ROUNDING.items() if k in case), TOLERANCE)
     center_limit = ROUNDING["fp16"] if "fp16" in case else TOLERANCE  # float16 storage
     errors = run_steps(case, rank, world)
@@ -350,6 +374,10 @@ def run_case(case: str, rank: int, world: int) -> str:
               "statistics": TOLERANCE, "filtered": TOLERANCE,
               "update": 100 * center_limit, "state_steps": 0.0,  # counts are exact
               **{k: center_limit for k in errors if k.startswith("state_") and k != "state_steps"}}
+    if "gemm16" in case:
+        limits.update({k: GEMM16["loss" if k == "loss" else "rest"] for k in limits
+                       if k in ("loss", "grad", "weight", "update") or
+                       (k.startswith("state_") and k != "state_steps")})
     failed = {k: v for k, v in errors.items() if k in limits and not v <= limits[k]}
     failed.update({k: v for k, v in errors.items() if k.startswith(("z=", "|z|")) and v == 0})
     report = " ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}"
@@ -357,6 +385,20 @@ def run_case(case: str, rank: int, world: int) -> str:
     if failed:
         raise AboveLimits(f"rank {rank}/{world} {case}: errors above limits: {report}")
     return f"PASS rank {rank}/{world} {case}: {report}"
+
+
+def bfloat16_gemms_refused() -> str | None:
+    """pfc_gemm='bfloat16''s refusal on a CPU without bfloat16 arithmetic (AVX2, or
+    DNNL_MAX_CPU_ISA below AVX512_CORE_BF16), None where it computes them; the refusal
+    is asserted, so the case tests something on every CPU."""
+    if effective_isa(onednn_library()) & ISA_BFLOAT16:
+        return None
+    try:
+        choose("bfloat16", on_gpu=False)
+    except GemmChoiceError as refusal:
+        assert "without bfloat16 arithmetic" in str(refusal), refusal
+        return str(refusal)
+    raise AssertionError("pfc_gemm='bfloat16' was taken on a CPU without bfloat16")
 
 
 def main() -> None:

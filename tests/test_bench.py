@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 from conftest import horovodrun_gloo, run
 
+from partial_fc_mx.pfc.gemm import ISA_BFLOAT16, effective_isa, onednn_library
+
 
 def test_pfc_bench_times_the_noisy_label_variants_against_the_plain_step():
     """--variants: the filter and 3 sub-centers in the same run, each against the plain
@@ -27,6 +29,28 @@ def test_pfc_bench_times_the_noisy_label_variants_against_the_plain_step():
                              r"rows\) would make it [\d.]+x", out), out[-3000:]
     theory = [float(t) for t in re.findall(r"x theory ([\d,.]+) MiB", out)]
     assert len(theory) == 6 and theory[2] > 2 * theory[0]  # rank 0: plain, filter, sub3
+
+
+def test_pfc_bench_alternates_the_bfloat16_gemms_with_the_plain_step_in_rounds():
+    """--variants plain gemm16 plain gemm16: each round's ratio, then median [min, max]
+    of the step and of the GEMM phase. Where the CPU
+    has no bfloat16 arithmetic, every rank refuses with the reason instead."""
+    result = horovodrun_gloo(2, [sys.executable, "-m", "partial_fc_mx.bench", "pfc",
+                                 "--classes", "4000", "--num-sample", "100",
+                                 "--batch-size", "8", "--embedding-size", "16",
+                                 "--steps", "2", "--warmup", "1",
+                                 "--variants", "plain", "gemm16", "plain", "gemm16"], timeout=180)
+    out = result.stdout
+    if not effective_isa(onednn_library()) & ISA_BFLOAT16:
+        assert result.returncode != 0 and "without bfloat16 arithmetic" in out, out[-3000:]
+        return
+    assert result.returncode == 0, out[-3000:]
+    for rank in (0, 1):
+        for what in ("step", "GEMM phase"):
+            assert re.search(rf"rank {rank}  C=4,000: gemm16 {what} / plain's over 2 alternating "
+                             r"rounds: median [\d.]+ \[[\d.]+, [\d.]+\]", out), out[-3000:]
+    assert "gemm16 step = " not in out  # rounds are summarised, not paired one by one
+    assert len(re.findall(r"rank \d  gemm16  C=\s+4,000  sampled rows\s+100  step", out)) == 4
 
 
 def test_pfc_bench_reports_the_sample_ratios_and_memory_for_each_rank():
@@ -334,7 +358,13 @@ def test_ops_bench_rates_every_gemm_against_the_forward():
     rates = re.findall(r"([\d.]+) ms\s+([\d.]+) GFLOP/s\s+([\d.]+)x forward  (.+?)(  OFF THE "
                        r"FAST PATH)?$", result.stdout, re.MULTILINE)
     names = [name for *_, name, _ in rates]
-    assert len(rates) == 5 and names[0].startswith("G = x w^T: FullyConnected forward")
+    # MXNet's five, then oneDNN 3's float32 pair, and its bfloat16 pair where the CPU
+    # computes bfloat16 (said where not)
+    native = bool(effective_isa(onednn_library()) & ISA_BFLOAT16)
+    assert len(rates) == 5 + 2 + 2 * native and names[0].startswith(
+        "G = x w^T: FullyConnected forward")
+    assert names[5:7] == ["G = x w^T: oneDNN 3, float32", "dx and dw: oneDNN 3, float32, per GEMM"]
+    assert native or "oneDNN 3's bfloat16 GEMMs not timed: this CPU has no" in result.stdout
     assert float(rates[0][2]) == 1.0 and all(float(rate) > 0 for _, rate, *_ in rates)
     assert [bool(flag) for *_, flag in rates] == [float(r) > 1.2 for _, _, r, _, _ in rates]
     passes = re.findall(r"^\s+([\d.]+) ms  (fused C\+\+ kernels|MXNet operators).*: v = w s / "

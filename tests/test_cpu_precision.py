@@ -217,24 +217,38 @@ def test_processes_that_start_together_probe_once():
 
 
 # ----- real runs -----
+FORCED = {
+    "cpu_precision": ({"fp16": True, "cpu_precision": "bfloat16"},
+                      "cpu_precision='bfloat16': oneDNN cannot run tiny in bfloat16",
+                      "set cpu_precision='auto' (float32 on this CPU) or 'float32'"),
+    "pfc_gemm": ({"pfc_gemm": "bfloat16"},
+                 "pfc_gemm='bfloat16': oneDNN 3 uses avx2 on this CPU, without bfloat16",
+                 "set pfc_gemm='auto' (float32 here) or 'float32'"),
+}
+"""The backbone's and the classifier GEMMs' bfloat16, each forced under the AVX2 cap."""
+
+
+@pytest.mark.parametrize("forced", FORCED)
 def test_forced_bfloat16_where_onednn_cannot_run_it_stops_both_ranks_with_one_message(
-        tmp_path, synthetic):
-    config = config_file(tmp_path, synthetic, fp16=True, cpu_precision="bfloat16", max_steps=2)
+        tmp_path, synthetic, forced):
+    settings, start, fix = FORCED[forced]
+    config = config_file(tmp_path, synthetic, max_steps=2, **settings)
     result = mpirun(2, train_args(config, tmp_path / "work"), timeout=300,
                     env={"DNNL_MAX_CPU_ISA": "AVX2"})
     assert result.returncode == 1, result.stdout[-3000:]
     said = errors(result.stdout)
     assert len(said) == 1, result.stdout[-3000:]
-    assert said[0].startswith("cpu_precision='bfloat16': oneDNN cannot run tiny in bfloat16")
-    assert "set cpu_precision='auto' (float32 on this CPU) or 'float32'" in said[0]
+    assert said[0].startswith(start) and fix in said[0], said[0]
     assert "Traceback" not in result.stdout
 
 
 def test_ranks_on_different_cpus_train_alike(tmp_path, synthetic):
     """Rank 1's oneDNN capped at AVX2 (an older host beside a newer one): under auto
-    both ranks compute in float32, and the log says which host decided; forced
+    both ranks compute in float32, backbone and classifier GEMMs, and the log says
+    which host decided; forced
     bfloat16 is refused on both, naming rank 1 where rank 0 could run it."""
-    auto = config_file(tmp_path, synthetic, name="auto.py", fp16=True, max_steps=2)
+    auto = config_file(tmp_path, synthetic, name="auto.py", fp16=True, max_steps=2,
+                       pfc_gemm="auto")
     mixed = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-x", "PATH",
              "-np", "1", *train_args(auto, tmp_path / "auto"), ":",
              "-np", "1", "env", "DNNL_MAX_CPU_ISA=AVX2", *train_args(auto, tmp_path / "auto")]
@@ -244,6 +258,8 @@ def test_ranks_on_different_cpus_train_alike(tmp_path, synthetic):
     assert "backbone in float32 (fp16=True on a CPU without native bfloat16" in text
     if bfloat16_native():
         assert "on host" in text and "every rank computes alike" in text
+    # the classifier GEMMs alike: float32 on both, the capped host's reason given
+    assert "classifier GEMMs: float32 inputs (pfc_gemm='auto': oneDNN 3 uses avx2" in text
     forced = config_file(tmp_path, synthetic, name="forced.py", fp16=True,
                          cpu_precision="bfloat16", max_steps=2)
     refused = run([arg if arg != str(auto) else str(forced) for arg in mixed], timeout=300)

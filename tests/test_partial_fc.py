@@ -64,6 +64,10 @@ EXACT = [
     ("horovodrun", 2, "sub3-adamw-fp16-sampled"),
     ("mpirun", 2, "sub3-blocks-dense-sampled"),
     ("mpirun", 2, "sub3-nan-center"),
+    # the GEMMs' inputs in bfloat16 (oneDNN 3): within the format's band (pfc_worker.GEMM16)
+    ("python", 1, "gemm16-sampled"),
+    ("mpirun", 2, "gemm16-blocks-sampled"),
+    ("horovodrun", 3, "gemm16-unequal"),
     # gradient accumulation: 2 micro-batches held to the whole batch's reference
     ("python", 1, "accum-sampled"),
     ("mpirun", 2, "accum-blocks-replay-sampled"),
@@ -71,7 +75,8 @@ EXACT = [
     ("mpirun", 3, "accum-composed-sampled"),
     ("horovodrun", 2, "accum-adamw-fp16-sampled"),
 ]
-"""(launcher, processes, case): each within 1e-5 of the float64 reference."""
+"""(launcher, processes, case): each within 1e-5 of the float64 reference (gemm16: the
+bfloat16 band)."""
 
 BAD_INPUT = [
     ("mpirun", 2, "bad-label",
@@ -176,7 +181,7 @@ def test_the_backward_gemms_and_the_row_projection_match_float64():
     of 7 rows over 40: the last one partial)."""
     import mxnet as mx
 
-    from partial_fc_mx.pfc.partial_fc import fully_connected_backward
+    from partial_fc_mx.pfc.gemm import fully_connected_backward
     from partial_fc_mx.pfc.rows import project_out_rows
 
     rng = np.random.default_rng(3)

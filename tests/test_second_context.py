@@ -14,7 +14,7 @@ import pytest
 from conftest import config_file, horovodrun_gloo, logged, mpirun, run, sixteen_bits
 from context_guard import ContextMix, guard
 
-from partial_fc_mx.pfc.partial_fc import fully_connected_backward
+from partial_fc_mx.pfc.gemm import fully_connected_backward
 
 WORKER = [sys.executable, "tests/context_worker.py"]
 

@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import mxnet as mx
 import numpy as np
 
+from ..pfc import kernels
 from ..pfc.buffers import Buffers
 from ..pfc.center_optimizers.sgd import SGD
 from ..pfc.centers import SPARE_CENTERS, CenterBlock, Shard
-from ..pfc.partial_fc import fully_connected_backward
+from ..pfc.gemm import (
+    ISA_BFLOAT16,
+    GemmChoiceError,
+    effective_isa,
+    fully_connected_backward,
+    onednn_library,
+)
 from ..pfc.rows import ComposedRows, FusedRows
 from ..pfc.threads import rank_threads
 from .timing import median_ms
@@ -108,6 +116,7 @@ def print_gemm_rates(x, w, g, grad_x, grad_w) -> None:
         "dx = g w: dot": (lambda: mx.nd.dot(g, w, out=grad_x), 1),
         "dx = g w: numpy matmul (reference; the step stays in MXNet)": (
             lambda: np.matmul(g_host, w_host, out=x_host), 1),
+        **onednn_gemms(x, w, g, gram, grad_x, grad_w),
     }
     print(f"the three GEMMs of a step, {flop / 1e9:.2f} GFLOP each")
     forward_ms = None
@@ -118,3 +127,29 @@ def print_gemm_rates(x, w, g, grad_x, grad_w) -> None:
         flag = "  OFF THE FAST PATH" if ratio > FAST_PATH else ""
         print(f"  {ms:9.2f} ms  {flop / ms / 1e6:6.1f} GFLOP/s  {ratio:4.2f}x forward  "
               f"{name}{flag}")
+
+
+def onednn_gemms(x, w, g, gram, grad_x, grad_w) -> dict:
+    """oneDNN 3's GEMMs (kernels/gemm.cc): float32, and bfloat16 inputs with float32
+    output (pfc_gemm = "bfloat16", the rounding inside the time) where the CPU computes
+    them; says why where oneDNN 3 is missing or the CPU cannot."""
+    try:
+        library = str(onednn_library())
+        bfloat16 = bool(effective_isa(Path(library)) & ISA_BFLOAT16)
+    except GemmChoiceError as missing:
+        print(f"oneDNN 3 not timed: {missing}")
+        return {}
+    kernels.load()
+    threads = rank_threads()
+    gemms = {}
+    for name, rounded in (("float32", 0), ("bfloat16 inputs (pfc_gemm bfloat16)", 1)):
+        if rounded and not bfloat16:
+            print("oneDNN 3's bfloat16 GEMMs not timed: this CPU has no bfloat16 arithmetic")
+            continue
+        options = {"library": library, "bfloat16": rounded, "threads": threads}
+        gemms[f"G = x w^T: oneDNN 3, {name}"] = (
+            lambda options=options: mx.nd.pfc_gemm(x, w, out=gram, **options), 1)
+        gemms[f"dx and dw: oneDNN 3, {name}, per GEMM"] = (
+            lambda options=options: mx.nd.pfc_gemm_backward(g, x, w, out=[grad_x, grad_w],
+                                                            **options), 2)
+    return gemms

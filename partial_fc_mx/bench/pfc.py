@@ -10,7 +10,9 @@ centers.
         --classes 1000000 --batch-size 512 --variants plain filter sub3
 
 --variants times the step with the noisy-label options in the same run, each against
-the first: "filter" (inter-class filtering at 0.4), "sub3" (3 sub-centers per class).
+the first: "filter" (inter-class filtering at 0.4), "sub3" (3 sub-centers per class),
+"gemm16" (the GEMMs' inputs in bfloat16, pfc_gemm; a name given again times it again,
+so that `--variants plain gemm16 plain gemm16 ...` alternates the two).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from .. import dist
 from ..errors import UserError
 from ..pfc import kernels
 from ..pfc.centers import shard_of
+from ..pfc.gemm import choose as choose_gemm
+from ..pfc.gemm import classifier_gemm
 from ..pfc.idle_rows import CENTER_UPDATES
 from ..pfc.partial_fc import PartialFC
 from ..pfc.threads import rank_threads
@@ -56,8 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 VARIANTS = {"plain": {}, "filter": {"interclass_filtering_threshold": 0.4},
             "sub3": {"num_subcenters": 3}, "sub3-filter": {"num_subcenters": 3,
-                                                           "interclass_filtering_threshold": 0.4}}
-"""PartialFC's noisy-label settings by the names --variants takes."""
+                                                           "interclass_filtering_threshold": 0.4},
+            "gemm16": {"gemm": "bfloat16"}}
+"""PartialFC's noisy-label settings and its GEMMs' input type (config pfc_gemm, as
+"gemm") by the names --variants takes."""
 
 
 def run(args: argparse.Namespace) -> None:
@@ -67,6 +73,9 @@ def run(args: argparse.Namespace) -> None:
         # failure on one host stops every rank instead of leaving them in a collective
         dist.run_agreed(kernels.load, "bench.kernels", (UserError,), UserError,
                         "partial_fc_mx's CPU kernels")
+    if any("gemm" in VARIANTS[name] for name in args.variants):  # where the CPU cannot:
+        dist.run_agreed(lambda: choose_gemm("bfloat16", ctx.device_type == "gpu"),  # why
+                        "bench.gemm", (UserError,), UserError, "bfloat16 classifier GEMMs")
     results = []
     for num_classes in sorted(args.classes):
         for variant in args.variants:
@@ -184,7 +193,8 @@ def bench_config(world: dist.World, ctx: mx.Context, num_classes: int, args,
         pfc = PartialFC(num_classes, args.embedding_size, rank=world.rank,
                         world_size=world.size, ctx=ctx, sample_rate=sample_rate,
                         margin=(1.0, 0.5, 0.0), scale=64.0, fp16_centers=args.fp16_centers,
-                        center_update=args.center_update, **variant)
+                        center_update=args.center_update,
+                        **{**variant, "gemm": classifier_gemm(variant.get("gemm", "float32"))})
         mx.nd.waitall()
         startup_seconds = time.perf_counter() - start
         rng = np.random.default_rng(world.rank)
@@ -199,7 +209,7 @@ def bench_config(world: dist.World, ctx: mx.Context, num_classes: int, args,
     theory = estimate_memory(num_classes, args.embedding_size, world.size, world.rank,
                              sample_rate, global_batch, args.fp16_centers,
                              center_update=args.center_update, subcenters=pfc.subcenters,
-                             filtering=pfc.filter_threshold > 0)
+                             filtering=pfc.filter_threshold > 0, gemm_dtype=pfc.gemm.dtype)
     seconds = {k: v / args.steps for k, v in timer.seconds.items()}
     return {
         "classes": num_classes, "sampled": n, "step_ms": 1e3 * statistics.median(plain),
@@ -264,14 +274,17 @@ def print_report(args, world: dist.World, everyone: list[dict]) -> None:
             print(f"        start-up {r['startup_s']:.1f} s for a {r['shard_gib']:.2f} GiB shard "
                   f"(rows and states) = {r['startup_s'] / r['shard_gib']:.1f} s/GiB")
         plain = [r for r in results if r["variant"] == args.variants[0]]
-        if len(plain) > 1:
+        if plain[-1]["classes"] != plain[0]["classes"]:
             print(f"rank {rank}  step time C={plain[-1]['classes']:,} / "
                   f"C={plain[0]['classes']:,} at the same sample size: "
                   f"{plain[-1]['step_ms'] / plain[0]['step_ms']:.3f}")
         for base in plain:
             for r in results:
-                if r["classes"] == base["classes"] and r is not base:
+                if r["classes"] == base["classes"] and r["variant"] != base["variant"] \
+                        and args.variants.count(r["variant"]) == 1:  # rounds: below
                     print(variant_line(rank, r, base))
+        for line in alternation_lines(rank, results, args.variants):
+            print(line)
     if any(mine["numpy_gflops"] is None for mine in everyone):
         print("numpy sgemm not compared: numpy's BLAS thread count cannot be set here (no "
               "OpenBLAS of numpy's own is loaded), so no measurement with a rank's threads")
@@ -301,6 +314,29 @@ def variant_line(rank: int, r: dict, base: dict) -> str:
             f"({r['step_ms']:.1f} / {base['step_ms']:.1f} ms); its GEMMs' growth alone "
             f"({r['sampled'] / base['sampled']:.1f}x the rows) would make it "
             f"{gemms_only:.3f}x")
+
+
+def alternation_lines(rank: int, results: list[dict], variants: list[str]) -> list[str]:
+    """For variants timed in several rounds (--variants plain gemm16 plain gemm16 ...):
+    each round's step and GEMM phase over the first variant's of the same round and
+    class count, as median [min, max] over the rounds: the comparison a shared, noisy
+    machine allows."""
+    lines = []
+    for classes in sorted({r["classes"] for r in results}):
+        runs = {name: [r for r in results if r["variant"] == name and r["classes"] == classes]
+                for name in dict.fromkeys(variants)}
+        base = runs.pop(variants[0])
+        for name, rounds in runs.items():
+            if len(rounds) < 2 or len(rounds) != len(base):
+                continue
+            for what, of in (("step", lambda r: r["step_ms"]),
+                             ("GEMM phase", lambda r: r["phases_ms"]["gemm"])):
+                ratios = [of(r) / of(b) for r, b in zip(rounds, base)]
+                lines.append(f"rank {rank}  C={classes:,}: {name} {what} / {variants[0]}'s "
+                             f"over {len(ratios)} alternating rounds: median "
+                             f"{statistics.median(ratios):.3f} [{min(ratios):.3f}, "
+                             f"{max(ratios):.3f}]")
+    return lines
 
 
 def ranks_by_host(everyone: list[dict]) -> dict[str, list[int]]:

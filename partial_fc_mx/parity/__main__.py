@@ -77,7 +77,8 @@ ARMS = {"ours-exact": ours(center_update="exact"), "ours-lazy": ours(center_upda
         "ours-filter": ours(center_update="exact", interclass_filtering_threshold=0.4),
         "ours-sub3": ours(center_update="exact", num_subcenters=3),
         "arcface_torch-filter": anchor(interclass_filtering_threshold=0.4),
-        "ours-sub3-clean": Arm("ours", {"center_update": "exact"}, cleaned_from="ours-sub3")}
+        "ours-sub3-clean": Arm("ours", {"center_update": "exact"}, cleaned_from="ours-sub3"),
+        "ours-exact-gemm16": ours(center_update="exact", pfc_gemm="bfloat16")}
 """arcface_torch's SGD updates every centre each step (dense). Three differences of its
 train_v2.py have an arm of their own: it decays the rate with power 1, ours with 2
 (config lr_power), so the study trains both toolkits with 2, and both with 1 in the
@@ -92,7 +93,10 @@ has the kernel, it is ours-exact. The noisy-label study's (--noise; docs/noisy_l
 ours-filter and arcface_torch-filter filter at arcface_torch's own threshold, 0.4 (not
 tuned: no split of the data chose it), ours-sub3 trains 3 sub-centers per class, and
 ours-sub3-clean trains plain on what ours-sub3's model keeps within 75 degrees of each
-class's dominant sub-center (the paper's angle, not tuned either)."""
+class's dominant sub-center (the paper's angle, not tuned either). ours-exact-gemm16 is
+ours-exact with the classifier GEMMs' inputs in bfloat16 (config pfc_gemm; a CPU with
+AVX512_BF16 or AMX), whose models must end within the seeds' spread of ours-exact's
+before bfloat16 becomes pfc_gemm's default."""
 NOISY_BASELINE = "arcface_torch-filter"
 """What the noisy-label arms of ours are compared with: the anchor's best recipe."""
 
@@ -282,9 +286,12 @@ METRICS = {"accuracy": lambda s: s.accuracy, "TAR@FAR=1e-3": lambda s: s.tar[1e-
 
 
 def baseline_of(name: str) -> str | None:
-    """The arm `name` is compared with: ours with arcface_torch at the same power; an
+    """The arm `name` is compared with: ours with arcface_torch at the same power (the
+    noisy-label arms with NOISY_BASELINE, ours-exact-gemm16 with ours-exact); an
     arcface_torch diagnostic with arcface_torch itself."""
     arm = ARMS[name]
+    if "pfc_gemm" in arm.changes:  # the same training with other GEMM inputs
+        return "ours-exact"
     noisy = ("interclass_filtering_threshold" in arm.changes or "num_subcenters" in arm.changes
              or arm.cleaned_from)
     if arm.toolkit == "ours" and noisy:

@@ -30,7 +30,7 @@ from ..evaluation.validator import Validator
 from ..pfc.centers import ClassCenters
 from ..run.precision import LossScaler, build_backbone, training_model
 from ..run.schedule import Schedule
-from ..train import build_classifier, make_trainer, train_step
+from ..train import agreed_gemm, build_classifier, make_trainer, train_step
 from . import ours_resume, resume
 from .recipe import Recipe, check_network, evaluation_steps, parse, write_log
 from .task import INPUT, as_input, input_batches, load_task, rank_rows, run_steps
@@ -67,13 +67,15 @@ def network(recipe: Recipe, config: Config, ctx: mx.Context) -> tuple:
     return net, training_model(net, ctx, "float32") if recipe.prelu == "kernel" else net
 
 
-def parts(recipe: Recipe, config: Config, world: dist.World, ctx: mx.Context) -> tuple:
+def parts(recipe: Recipe, config: Config, world: dist.World, ctx: mx.Context,
+          gemm_dtype: str) -> tuple:
     """(net, model), trainer, classifier: local work only, which builds and loads the
     CPU kernels (Partial FC's, and the PReLU's with recipe.prelu "kernel") and can fail
     on one host and not another; run under dist.run_agreed, as the trainer's start-up,
     so that every rank stops together instead of one waiting in the first collective."""
     net, model = network(recipe, config, ctx)
-    return (net, model), make_trainer(config, net), build_classifier(config, world, ctx)
+    return (net, model), make_trainer(config, net), build_classifier(config, world, ctx,
+                                                                     gemm_dtype=gemm_dtype)
 
 
 def embed(net, rows: np.ndarray, batch: int, ctx: mx.Context) -> np.ndarray:
@@ -92,7 +94,7 @@ def recipe_config(recipe: Recipe, num_classes: int) -> Config:
                     margin_list=(1.0, 0.5, 0.0), scale=64.0, num_epoch=recipe.epochs,
                     lr_power=recipe.power,
                     interclass_filtering_threshold=recipe.interclass_filtering_threshold,
-                    num_subcenters=recipe.num_subcenters,
+                    num_subcenters=recipe.num_subcenters, pfc_gemm=recipe.pfc_gemm,
                     **({} if recipe.network == "mlp" else {"network": recipe.network}))
     config.validate()
     return config
@@ -113,8 +115,10 @@ def train(recipe: Recipe, watch: Callable[[ClassCenters], None] | None = None) -
     config = recipe_config(recipe, int(y.max()) + 1)
     config.check_world_size(world.size)
     mx.random.seed(recipe.seed)
+    gemm = agreed_gemm(config, ctx)  # as the trainer's start-up chooses them
     (net, model), trainer, pfc = dist.run_agreed(
-        lambda: parts(recipe, config, world, ctx), "parity.start", (UserError,), UserError,
+        lambda: parts(recipe, config, world, ctx, gemm.dtype), "parity.start", (UserError,),
+        UserError,
         "the parity arm's start-up")
     dist.broadcast_parameters(net.collect_params(), root_rank=0)
     run = SimpleNamespace(trainer=trainer, scaler=LossScaler(False), ctx=ctx, model=model,

@@ -77,6 +77,9 @@ class Recipe:
     config key of the same name); 0: off."""
     num_subcenters: int = 1
     """Ours only: sub-center ArcFace's rows per class (config num_subcenters)."""
+    pfc_gemm: str = "float32"
+    """Ours only: the classifier GEMMs' inputs (config pfc_gemm): "bfloat16" where the
+    CPU computes it (refused elsewhere)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -91,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 CHOICES = {"center_update": ("exact", "lazy", "dense"), "momentum_form": ("own", "mxnet"),
            "seeding": ("alike", "per-rank"), "margin_gradient": ("own", "exact"),
-           "prelu": ("mxnet", "kernel"),
+           "prelu": ("mxnet", "kernel"), "pfc_gemm": ("float32", "bfloat16"),
            "network": ("mlp", *BACKBONES)}
 
 

@@ -21,8 +21,9 @@ At a global batch of 1024, a pass over the N x n matrix costs twice one over the
 n x D rows: the centers are normalized as rows (v), and each row's share of the
 global softmax enters the backward GEMMs through their N x D input and output, so
 the N x n matrix is written by the GEMM, maxed, softmaxed and read by the GEMMs, no
-more. The three GEMMs are explicit (no autograd): FullyConnected's forward and its
-backward operator, oneDNN's inner product on the CPU. What runs row by row besides
+more. The three GEMMs are explicit (no autograd), gemm.py's: FullyConnected's forward and
+its backward operator in float32, or bfloat16 inputs with float32 output by oneDNN 3 on
+a CPU that computes them (config pfc_gemm). What runs row by row besides
 (the scaling to v, the softmax, the gradient's projection) is rows.py's: C++ kernels
 of one pass per row on the CPU, MXNet operators elsewhere. The N x n and n x D matrices
 live in buffers kept across steps (buffers.py): a fresh array per step costs its
@@ -32,14 +33,11 @@ page faults every step.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import functools
 from dataclasses import dataclass, field
 
 import horovod.mxnet as hvd
 import mxnet as mx
 import numpy as np
-from mxnet.ndarray import register
 
 from .. import dist
 from ..errors import UserError
@@ -58,6 +56,7 @@ from .centers import (
     subcenter_rows,
     tensor_size_problem,
 )
+from .gemm import FullyConnectedGemm, OneDNNGemm
 from .idle_rows import CENTER_UPDATES
 from .margins import Margin
 from .margins.combined import CombinedMargin
@@ -111,6 +110,7 @@ class PartialFC:
         initialize_centers: bool = True,
         interclass_filtering_threshold: float = 0.0,
         num_subcenters: int = 1,
+        gemm: FullyConnectedGemm | OneDNNGemm | None = None,
     ) -> None:
         """`margin`: (m1, m2, m3) of the combined margin with `scale`, or a margin of
         margins/ (which has its own scale). `optimizer`: the centers'
@@ -124,7 +124,8 @@ class PartialFC:
         `interclass_filtering_threshold` (arcface_torch's, 0: off): a negative whose
         cosine is above it counts as cosine 0 in the softmax, with no gradient; the
         fraction filtered is `filtered_fraction` after each step. `num_subcenters` K
-        (sub-center ArcFace): K rows per class, the class's cosine their max."""
+        (sub-center ArcFace): K rows per class, the class's cosine their max. `gemm`: the
+        three GEMMs' (gemm.py; by default float32, FullyConnected's)."""
         if not 0 < sample_rate <= 1:
             raise ValueError(f"sample_rate={sample_rate} must be in (0, 1]")
         if problem := subcenter_problem(num_subcenters) or filter_problem(
@@ -164,6 +165,7 @@ class PartialFC:
         self._last_rows = None  # shard rows sampled in the last step; None: all
         self.buffers = Buffers(self.ctx)  # logits, both GEMM gradients, row chunks
         self.rows = row_passes(self.ctx, self.buffers)  # fused kernels on the CPU
+        self.gemm = gemm or FullyConnectedGemm()
 
     @property
     def weight(self) -> mx.nd.NDArray:
@@ -216,8 +218,8 @@ class PartialFC:
                 w, v, w_scale = accumulation.w, accumulation.v, accumulation.w_scale
             loss_rows = len(x) if accumulation is None else accumulation.samples
         with self.timer.phase("gemm"):
-            logits = mx.nd.FullyConnected(x_hat, v, num_hidden=v.shape[0], no_bias=True,
-                                          out=self._buffer("logits", x_hat, v))
+            logits = self._buffer("logits", x_hat, v)
+            self.gemm.logits(x_hat, v, out=logits)
         with self.timer.phase("compute"):
             classes = self._class_logits(logits)  # the logits themselves when K = 1
             targets = self._apply_margin(classes, norms, target_col)
@@ -257,9 +259,9 @@ class PartialFC:
                 targets = targets.on_subcenters(logits, self.subcenters, target_col)
                 self.rows.subcenter_scatter(logits, prob, self.subcenters)
                 prob = logits
-        with self.timer.phase("gemm"):  # prob @ v and prob^T @ x_hat, oneDNN's on the CPU
+        with self.timer.phase("gemm"):  # prob @ v and prob^T @ x_hat
             grad_x_hat, grad_v = self._buffer("grad_x_hat", x_hat), self._buffer("grad_w", v)
-            fully_connected_backward(prob, x_hat * row_weight, v, grad_x_hat, grad_v)
+            self.gemm.backward(prob, x_hat * row_weight, v, grad_x_hat, grad_v)
             grad_v = grad_v[:len(w)]  # the spare row's is not a center's
         with self.timer.phase("compute"):
             grad_x_hat = grad_x_hat * row_weight
@@ -574,28 +576,6 @@ class Targets:
         rounds = [(as_nd(np.flatnonzero(occurrence == k)), as_nd(cols[occurrence == k]))
                   for k in range(occurrence.max() + 1)]
         return cls(as_nd(rows), as_nd(cols), as_nd(np.stack([rows, cols])), rounds)
-
-
-def fully_connected_backward(grad_out: mx.nd.NDArray, data: mx.nd.NDArray,
-                             weight: mx.nd.NDArray, grad_data: mx.nd.NDArray,
-                             grad_weight: mx.nd.NDArray) -> None:
-    """grad_data = grad_out @ weight and grad_weight = grad_out^T @ data (float32, with
-    autograd paused by the caller), by FullyConnected's own backward operator: on the
-    CPU oneDNN's inner-product primitives, as fast as the forward (`bench ops`), where
-    `dot` and `linalg.gemm` run on the wheel's OpenBLAS, up to 5x slower on some CPUs;
-    cuBLAS on a GPU. Invoked the way MXNet's generated operators are (looked up at each
-    call, so that a wrapper such as tests/context_guard.py sees it too)."""
-    register._imperative_invoke(fully_connected_backward_op(), [grad_out, data, weight],
-                                ["num_hidden", "no_bias"], [str(weight.shape[0]), "True"],
-                                [grad_data, grad_weight], False, True)
-
-
-@functools.cache
-def fully_connected_backward_op() -> int:
-    handle = mx.base.OpHandle()
-    mx.base.check_call(mx.base._LIB.NNGetOpHandle(mx.base.c_str("_backward_FullyConnected"),
-                                                  ctypes.byref(handle)))
-    return handle.value
 
 
 def add_target_terms_to_embeddings(grad_x_hat: mx.nd.NDArray, v: mx.nd.NDArray,

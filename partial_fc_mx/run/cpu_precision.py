@@ -30,6 +30,7 @@ now only. Every rank then takes the same precision (`agree`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -41,7 +42,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from .. import caches, durable
 from ..errors import UserError
@@ -85,6 +86,10 @@ class HostProbe:
         """oneDNN 2.x names the ISAs with bfloat16 instructions "... with Intel DL
         Boost and bfloat16 support" (AVX512_BF16) and "Intel AMX with bfloat16 ..."."""
         return "bfloat16" in self.isa
+
+
+AnyChoice = TypeVar("AnyChoice")
+"""A Choice here or a GemmChoice (pfc/gemm.py): a dtype and its reason."""
 
 
 @dataclass(frozen=True)
@@ -144,14 +149,16 @@ def why_not(probe: HostProbe, network: str) -> str:
     return (f"{cause} (the answer is kept in {cache_folder()}: delete it to probe again)")
 
 
-def agree(choices: list[tuple[str, Choice]]) -> Choice:
+def agree(choices: list[tuple[str, AnyChoice]]) -> AnyChoice:
     """One choice for every rank from each rank's (host, choice), the same on every
     rank: bfloat16 only where every host takes it (a host that takes float32 under
-    auto makes the run float32; a forced bfloat16 failed on its own host already)."""
+    auto makes the run float32; a forced bfloat16 failed on its own host already).
+    The backbone's choices and the classifier GEMMs' (pfc/gemm.py) alike."""
     if len({choice.dtype for _, choice in choices}) == 1:
         return choices[0][1]
     host, choice = min(choices, key=lambda item: item[1].dtype != "float32")
-    return Choice("float32", f"{choice.reason}, on host {host}; every rank computes alike")
+    return dataclasses.replace(choice, reason=f"{choice.reason}, on host {host}; every rank "
+                                              "computes alike")
 
 
 # ----- the probe -----

@@ -108,7 +108,9 @@ def partial_fc_memory(config: Config, world_size: int, rank: int) -> PartialFCMe
         config.num_classes, config.embedding_size, world_size, rank, config.sample_rate,
         config.batch_size * world_size, config.fp16_centers, config.centers_optimizer(),
         config.center_update_mode(), config.num_subcenters,
-        config.interclass_filtering_threshold > 0, config.gradient_accumulation)
+        config.interclass_filtering_threshold > 0, config.gradient_accumulation,
+        # "auto" counted as bfloat16, which it may be on the hosts that run it
+        "float32" if config.pfc_gemm == "float32" else "bfloat16")
 
 
 def backbone_memory(config: Config, dtype: str, device: str = "cpu") -> BackboneMemory:

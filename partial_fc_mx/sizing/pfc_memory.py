@@ -63,6 +63,7 @@ def estimate_memory(
     subcenters: int = 1,
     filtering: bool = False,
     micro_batches: int = 1,
+    gemm_dtype: str = "float32",
 ) -> PartialFCMemory:
     """`optimizer`: the centers' (default: SGD with momentum, one state as wide as a row);
     `center_update` as PartialFC's ("exact" keeps a step count per row); `subcenters`:
@@ -71,7 +72,9 @@ def estimate_memory(
     whose MXNet-operator path (a GPU's) keeps an N x n mask (the CPU's kernel none:
     counted anyway); `micro_batches` (gradient accumulation, each of `global_batch`
     rows): one sample for the positives of all of them, the logits of one at a time,
-    and the sampled rows' gradient summed over them in one more buffer."""
+    and the sampled rows' gradient summed over them in one more buffer; `gemm_dtype`
+    "bfloat16" (config pfc_gemm): the GEMMs' inputs rounded into 16-bit copies, the
+    sampled rows' and an N x n one of the probabilities (kernels/gemm.cc)."""
     optimizer = optimizer or SGD()
     classes = shard_of(num_classes, rank, world_size).count
     rows = classes * subcenters
@@ -94,6 +97,8 @@ def estimate_memory(
     sampled_rows = sampled * ((3 * embedding_size + sum(width for width, _ in states)) * fp32
                               + gathered + joined + summed_gradient)
     class_matrices = (subcenters > 1) + filtering
+    rounded = 2 * (gemm_dtype == "bfloat16")  # bytes of one rounded input
     return PartialFCMemory(rows * embedding_size * np.dtype(dtype).itemsize, rows * state_bytes,
-                          sampled_rows, (LOGIT_MATRICES * sampled + class_matrices
-                                         * sampled_classes) * global_batch * fp32)
+                          sampled_rows + rounded * (sampled + global_batch) * embedding_size,
+                          (LOGIT_MATRICES * sampled * fp32 + class_matrices
+                           * sampled_classes * fp32 + rounded * sampled) * global_batch)

@@ -35,7 +35,7 @@ from ...caches import default_cache_dir
 from ...errors import UserError
 
 FOLDER = Path(__file__).parent
-SOURCES = [FOLDER / "rows.cc", FOLDER / "prelu.cc", FOLDER / "layer_norm.cc"]
+SOURCES = [FOLDER / "rows.cc", FOLDER / "prelu.cc", FOLDER / "layer_norm.cc", FOLDER / "gemm.cc"]
 HEADER = FOLDER / "common.h"
 FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno",
          "-fno-trapping-math", "-Wl,-Bsymbolic"]
