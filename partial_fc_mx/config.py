@@ -94,8 +94,8 @@ class Config:
     float32 accumulation and output, by oneDNN 3 on a CPU with AVX512_BF16 or AMX: the
     GEMMs in about half the time); "auto", bfloat16 where the CPU computes it, float32
     elsewhere, and the log says why. The margin, softmax, loss and updates stay float32
-    (pfc/gemm.py; docs/training.md). The default stays float32 until the parity study
-    shows bfloat16's models within the seeds' spread."""
+    (pfc/gemm.py; docs/training.md). bfloat16's models ended within the seeds' spread
+    of float32's (parity, 3 seeds); the default is still float32."""
     recompute_activations: bool = False
     """Keep only each backbone segment's input (a ViT's blocks, an IResNet's residual
     units) between the forward and the backward, and recompute the segments one at a
